@@ -1,0 +1,1 @@
+"""fairseq criterions of softtopk-fairseq (registered on import)."""

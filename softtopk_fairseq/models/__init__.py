@@ -1,0 +1,1 @@
+"""fairseq model architectures of softtopk-fairseq (registered on import)."""

@@ -1,0 +1,3 @@
+from softtopk_fairseq.pipeline.run import main
+
+main()

@@ -1,0 +1,317 @@
+"""The offline demo pipeline: raw parallel text -> BPE -> fairseq-preprocess -> fairseq-train ->
+fairseq-generate -> sacrebleu, ending with a results table.
+
+    python -m softtopk_fairseq.pipeline                    # generated toy en->fr corpus (default)
+    python -m softtopk_fairseq.pipeline --train DATA/train --valid DATA/val \\
+        --test DATA/test_2016_flickr --src en --tgt fr     # any line-aligned text files
+
+Every fairseq step runs the real command line (``fairseq-train --user-dir user_dir ...``) in a
+subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table goes to stdout and to
+``WORKDIR/results.md``.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from softtopk_fairseq.pipeline import text, toy_corpus
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+USER_DIR = os.path.join(REPO_ROOT, "user_dir")
+
+# Model sizes: "demo" learns the toy corpus in a few CPU minutes; "tiny" only checks that things run.
+ARCH_ARGS: Dict[str, Dict[str, List[str]]] = {
+    "transformer": {
+        "demo": ["--arch", "transformer", "--share-all-embeddings",
+                 "--encoder-layers", "2", "--decoder-layers", "2",
+                 "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+                 "--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256",
+                 "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+                 "--dropout", "0.1"],
+        "tiny": ["--arch", "transformer", "--share-all-embeddings",
+                 "--encoder-layers", "1", "--decoder-layers", "1",
+                 "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+                 "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+                 "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"],
+    },
+    "lstm": {
+        "demo": ["--arch", "lstm", "--share-decoder-input-output-embed",
+                 "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+                 "--encoder-hidden-size", "256", "--decoder-hidden-size", "256",
+                 "--decoder-out-embed-dim", "128", "--encoder-bidirectional",
+                 "--dropout", "0.1"],
+        "tiny": ["--arch", "lstm", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+                 "--encoder-hidden-size", "16", "--decoder-hidden-size", "16",
+                 "--decoder-out-embed-dim", "16"],
+    },
+}
+
+
+# fairseq 0.12's batch_by_size drops the last batch when its size is not a multiple of
+# --required-batch-size-multiple (default 8): generate would silently skip test sentences
+# (facebookresearch/fairseq#5036). A multiple of 1 keeps every sentence.
+KEEP_LAST_BATCH = ["--required-batch-size-multiple", "1"]
+
+
+@dataclass
+class Config:
+    workdir: str
+    src: str = "en"
+    tgt: str = "fr"
+    train: Optional[str] = None  # prefixes of raw text files: PREFIX.src / PREFIX.tgt
+    valid: Optional[str] = None
+    test: Optional[str] = None
+    toy_sizes: List[int] = field(default_factory=lambda: [20000, 500, 500])
+    max_lines: int = 0  # cap on training lines (0 = all)
+    bpe: str = "subword_nmt"
+    bpe_size: int = 1000
+    arch: str = "transformer"
+    size: str = "demo"
+    max_update: int = 1500
+    max_tokens: int = 4096
+    lr: float = 1e-3
+    warmup: int = 200
+    beams: List[int] = field(default_factory=lambda: [1, 5])
+    seed: int = 1
+    threads: int = 0  # torch threads per fairseq process (0 = torch's default)
+
+
+class Stage:
+    """Prints a header and the elapsed time of one pipeline stage."""
+
+    def __init__(self, number: int, total: int, name: str):
+        self.label = f"[stage {number}/{total}] {name}"
+
+    def __enter__(self):
+        print(f"\n== {self.label} ==", flush=True)
+        self.start = time.time()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.time() - self.start
+        if exc[0] is None:
+            print(f"== {self.label}: done in {self.seconds:.1f} s ==", flush=True)
+
+
+def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None) -> str:
+    """Run ``cmd``, streaming its output to stdout and ``log_path``; return the output; raise on failure."""
+    print("$ " + " ".join(cmd), flush=True)
+    lines = []
+    with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+    ) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            lines.append(line)
+        proc.wait()
+    sys.stdout.flush()
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed with exit code {proc.returncode} (log: {log_path}): {' '.join(cmd)}")
+    return "".join(lines)
+
+
+def fairseq_cmd(tool: str) -> List[str]:
+    """``fairseq-<tool>`` of the running interpreter's environment (module form works without PATH)."""
+    return [sys.executable, "-m", f"fairseq_cli.{tool}"]
+
+
+def subprocess_env(cfg: Config) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    if cfg.threads > 0:
+        env["OMP_NUM_THREADS"] = str(cfg.threads)
+    return env
+
+
+def prepare_raw(cfg: Config, raw_dir: str) -> Dict[str, str]:
+    """Write (or link) the raw splits into ``raw_dir``; return split name -> prefix."""
+    os.makedirs(raw_dir, exist_ok=True)
+    splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
+    prefixes = {}
+    if not any(splits.values()):
+        for (split, n), seed in zip(zip(splits, cfg.toy_sizes), (cfg.seed, cfg.seed + 1000, cfg.seed + 2000)):
+            toy_corpus.write_split(os.path.join(raw_dir, split), n, seed, (cfg.src, cfg.tgt))
+            prefixes[split] = os.path.join(raw_dir, split)
+        return prefixes
+    missing = [name for name, prefix in splits.items() if not prefix]
+    if missing:
+        raise SystemExit(f"give --train, --valid and --test together (missing: {', '.join(missing)})")
+    for split, prefix in splits.items():
+        for lang in (cfg.src, cfg.tgt):
+            if not os.path.exists(f"{prefix}.{lang}"):
+                raise SystemExit(f"missing file {prefix}.{lang}")
+        limit = cfg.max_lines if split == "train" else 0
+        src = text.read_lines(f"{prefix}.{cfg.src}", limit)
+        tgt = text.read_lines(f"{prefix}.{cfg.tgt}", limit)
+        if len(src) != len(tgt):
+            raise SystemExit(f"{prefix}: {len(src)} {cfg.src} lines but {len(tgt)} {cfg.tgt} lines")
+        text.write_lines(os.path.join(raw_dir, f"{split}.{cfg.src}"), src)
+        text.write_lines(os.path.join(raw_dir, f"{split}.{cfg.tgt}"), tgt)
+        prefixes[split] = os.path.join(raw_dir, split)
+    return prefixes
+
+
+def apply_bpe(cfg: Config, raw: Dict[str, str], bpe_dir: str) -> None:
+    """Tokenise (subword-nmt only), learn joint BPE on train, encode every split into ``bpe_dir``."""
+    bpe = text.JointBPE(cfg.bpe, bpe_dir)
+    langs = (cfg.src, cfg.tgt)
+    prepared = {}
+    for split, prefix in raw.items():
+        for lang in langs:
+            lines = text.read_lines(f"{prefix}.{lang}")
+            prepared[split, lang] = text.moses_tokenize(lines, lang) if bpe.pretokenize else lines
+    train_files = []
+    for lang in langs:
+        path = os.path.join(bpe_dir, f"train.tok.{lang}")
+        text.write_lines(path, prepared["train", lang])
+        train_files.append(path)
+    bpe.learn(train_files, cfg.bpe_size)
+    for (split, lang), lines in prepared.items():
+        text.write_lines(os.path.join(bpe_dir, f"{split}.{lang}"), bpe.encode(lines))
+    print(f"BPE ({cfg.bpe}, size {cfg.bpe_size}): model {bpe.model_path}")
+
+
+def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
+    return [
+        bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed),
+        *ARCH_ARGS[cfg.arch][cfg.size],
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+        "--lr", str(cfg.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(cfg.warmup),
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", str(cfg.max_tokens), "--max-update", str(cfg.max_update),
+        "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates", "0",
+        "--log-format", "simple", "--log-interval", "50", "--num-workers", "0", *KEEP_LAST_BATCH,
+    ]
+
+
+def generate_and_score(cfg: Config, bin_dir: str, checkpoint: str, raw_test: str, beam: int,
+                       out_dir: str) -> float:
+    """Decode the test split with ``fairseq-generate --beam``; return detokenised sacrebleu BLEU."""
+    import sacrebleu
+
+    output = run_logged(
+        fairseq_cmd("generate") + [
+            bin_dir, "--user-dir", USER_DIR, "--cpu", "--path", checkpoint, "--gen-subset", "test",
+            "--beam", str(beam), "--batch-size", "128", "--remove-bpe", text.REMOVE_BPE[cfg.bpe],
+            "--max-len-a", "1.5", "--max-len-b", "10", *KEEP_LAST_BATCH,
+        ],
+        os.path.join(out_dir, f"generate.beam{beam}.log"),
+        env=subprocess_env(cfg),
+    )
+    hyps = {}
+    for line in output.splitlines():
+        m = re.match(r"^H-(\d+)\t[^\t]*\t(.*)$", line)
+        if m:
+            hyps[int(m.group(1))] = m.group(2)
+    refs = text.read_lines(f"{raw_test}.{cfg.tgt}")
+    if len(hyps) != len(refs):
+        raise RuntimeError(f"fairseq-generate produced {len(hyps)} hypotheses for {len(refs)} references")
+    hyp_lines = [hyps[i] for i in range(len(refs))]
+    if cfg.bpe == "subword_nmt":
+        hyp_lines = text.moses_detokenize(hyp_lines, cfg.tgt)
+    text.write_lines(os.path.join(out_dir, f"test.beam{beam}.{cfg.tgt}"), hyp_lines)
+    return sacrebleu.corpus_bleu(hyp_lines, [refs]).score
+
+
+def results_table(rows: List[dict], beams: List[int]) -> str:
+    head = ["run", "arch", "updates", "train s"] + [f"BLEU beam {b}" for b in beams]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["run"], row["arch"], str(row["updates"]), f"{row['train_s']:.0f}"]
+        cells += [f"{row['bleu'][b]:.2f}" for b in beams]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_pipeline(cfg: Config) -> List[dict]:
+    start = time.time()
+    dirs = {name: os.path.join(cfg.workdir, name) for name in ("raw", "bpe", "bin", "checkpoints", "logs")}
+    for path in dirs.values():
+        os.makedirs(path, exist_ok=True)
+    env = subprocess_env(cfg)
+    total = 5
+    source = "generated toy en->fr corpus" if not cfg.train else f"files {cfg.train}/{cfg.valid}/{cfg.test}"
+    print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}")
+
+    with Stage(1, total, "raw text"):
+        raw = prepare_raw(cfg, dirs["raw"])
+        for split, prefix in raw.items():
+            print(f"  {split}: {len(text.read_lines(prefix + '.' + cfg.src))} sentence pairs")
+    with Stage(2, total, f"BPE ({cfg.bpe})"):
+        apply_bpe(cfg, raw, dirs["bpe"])
+    with Stage(3, total, "fairseq-preprocess"):
+        run_logged(
+            fairseq_cmd("preprocess") + [
+                "--source-lang", cfg.src, "--target-lang", cfg.tgt,
+                "--trainpref", os.path.join(dirs["bpe"], "train"),
+                "--validpref", os.path.join(dirs["bpe"], "valid"),
+                "--testpref", os.path.join(dirs["bpe"], "test"),
+                "--destdir", dirs["bin"], "--joined-dictionary", "--workers", "1",
+            ],
+            os.path.join(dirs["logs"], "preprocess.log"), env=env,
+        )
+    rows = []
+    run_name = "teacher forcing"
+    save_dir = os.path.join(dirs["checkpoints"], "tf")
+    with Stage(4, total, f"fairseq-train ({run_name}, {cfg.arch}, {cfg.max_update} updates)") as stage:
+        run_logged(fairseq_cmd("train") + train_args(cfg, dirs["bin"], save_dir),
+                   os.path.join(dirs["logs"], "train.tf.log"), env=env)
+    train_seconds = stage.seconds
+    with Stage(5, total, "fairseq-generate + sacrebleu"):
+        bleu = {}
+        for beam in cfg.beams:
+            bleu[beam] = generate_and_score(cfg, dirs["bin"], os.path.join(save_dir, "checkpoint_last.pt"),
+                                            raw["test"], beam, dirs["logs"])
+            print(f"  {run_name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
+    rows.append({"run": run_name, "arch": cfg.arch, "updates": cfg.max_update, "train_s": train_seconds,
+                 "bleu": bleu})
+
+    table = results_table(rows, cfg.beams)
+    elapsed = time.time() - start
+    summary = f"{table}\n\nBPE: {cfg.bpe}; test sentences: {len(text.read_lines(raw['test'] + '.' + cfg.tgt))}; " \
+              f"total time: {elapsed:.0f} s"
+    with open(os.path.join(cfg.workdir, "results.md"), "w", encoding="utf-8") as f:
+        f.write(summary + "\n")
+    print("\n" + summary)
+    return rows
+
+
+def parse_args(argv: Optional[List[str]] = None) -> Config:
+    p = argparse.ArgumentParser(prog="python -m softtopk_fairseq.pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default=os.path.join(REPO_ROOT, "work", "demo"),
+                   help="where data, checkpoints, logs and results.md go (default: work/demo)")
+    p.add_argument("--src", default="en")
+    p.add_argument("--tgt", default="fr")
+    p.add_argument("--train", help="prefix of raw training text (PREFIX.SRC, PREFIX.TGT); default: toy corpus")
+    p.add_argument("--valid", help="prefix of raw validation text")
+    p.add_argument("--test", help="prefix of raw test text")
+    p.add_argument("--toy-sizes", type=int, nargs=3, default=[20000, 500, 500], metavar=("TRAIN", "VALID", "TEST"),
+                   help="sentence pairs per split of the generated toy corpus")
+    p.add_argument("--max-lines", type=int, default=0, help="use only the first N training lines (0: all)")
+    p.add_argument("--bpe", choices=text.BPE_METHODS, default="subword_nmt")
+    p.add_argument("--bpe-size", type=int, default=1000, help="merges (subword-nmt) or vocabulary size (sentencepiece)")
+    p.add_argument("--arch", choices=sorted(ARCH_ARGS), default="transformer")
+    p.add_argument("--size", choices=["demo", "tiny"], default="demo", help="model size preset")
+    p.add_argument("--max-update", type=int, default=1500)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="beam sizes to evaluate")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="OMP threads per fairseq process (0: default)")
+    args = p.parse_args(argv)
+    return Config(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    run_pipeline(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
