@@ -15,6 +15,8 @@ last term cancels in the softmax over ``l`` and the middle one is absorbed in th
 * sorted SOFT top-k: anchors ``y_l = k - l`` (l = 0..k), targets ``(1, ..., 1, n - k)``: column ``l`` of
   ``P`` marks rank ``l`` (0 = largest), the last one collects the other ``n - k`` elements.
 
+(The code shifts both anchor sets to be centred on 0, which leaves ``P`` unchanged.)
+
 Rows with ``n_valid <= k`` keep only the first ``n_valid`` anchors (unit targets, the rest anchor and the
 unreachable ranks get 0 mass): a soft sort of the valid elements, or all ones for the unsorted operator.
 All-masked rows give zeros.
@@ -33,19 +35,23 @@ Tensor = torch.Tensor
 
 
 def anchor_targets(n_valid: Tensor, k: int, sorted: bool, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """Anchors ``y`` (m,) and per-row target masses ``c`` (rows, m); an anchor with ``c == 0`` is inactive."""
+    """Anchors ``y`` (m,) and per-row target masses ``c`` (rows, m); an anchor with ``c == 0`` is inactive.
+
+    The anchors are centred on 0 (the plan is invariant to shifting them, u_i * shift being constant
+    across anchors) to keep the logits small in float32.
+    """
     device = n_valid.device
     nv = n_valid.to(dtype).unsqueeze(-1)
     if sorted:
         m = k + 1
-        y = torch.arange(k, -1, -1, device=device, dtype=dtype)
+        y = torch.arange(k, -1, -1, device=device, dtype=dtype) - k / 2
         ranks = torch.arange(k, device=device, dtype=dtype)
         c_rank = (ranks < nv).to(dtype)                        # rank l is reachable iff l < n_valid
         c_rest = (nv - k).clamp_min(0)
         c = torch.cat([c_rank, c_rest], dim=-1)
     else:
         m = 2
-        y = torch.tensor([1.0, 0.0], device=device, dtype=dtype)
+        y = torch.tensor([0.5, -0.5], device=device, dtype=dtype)
         c = torch.cat([nv.clamp_max(k), (nv - k).clamp_min(0)], dim=-1)
     assert c.shape[-1] == m
     return y, c
@@ -172,7 +178,9 @@ def sinkhorn(u: Tensor, valid: Tensor, y: Tensor, c: Tensor, max_iter: int,
     ``max_iter`` iterations, or until the anchor masses are within ``tol`` when it is given.
     """
     neg_inf = torch.full((), -torch.inf, dtype=u.dtype, device=u.device)
-    kernel = torch.where(valid.unsqueeze(-1), u.unsqueeze(-1) * y, neg_inf)       # (rows, n, m)
+    # Masked elements are excluded through a_i = -inf; their kernel stays finite so that autograd through
+    # this loop (used as a reference in tests) never sees a logsumexp over -inf only.
+    kernel = torch.where(valid, u, torch.zeros_like(u)).unsqueeze(-1) * y          # (rows, n, m)
     log_c = torch.where(c > 0, torch.log(c.clamp_min(1e-300)), neg_inf)
     b = torch.where(c > 0, torch.zeros_like(c), neg_inf)
     rows = u.shape[0]

@@ -71,7 +71,7 @@ class Config:
     bpe_size: int = 1000
     arch: str = "transformer"
     size: str = "demo"
-    max_update: int = 1500
+    max_update: int = 600
     max_tokens: int = 4096
     lr: float = 1e-3
     warmup: int = 200
@@ -298,7 +298,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
     p.add_argument("--bpe-size", type=int, default=1000, help="merges (subword-nmt) or vocabulary size (sentencepiece)")
     p.add_argument("--arch", choices=sorted(ARCH_ARGS), default="transformer")
     p.add_argument("--size", choices=["demo", "tiny"], default="demo", help="model size preset")
-    p.add_argument("--max-update", type=int, default=1500)
+    p.add_argument("--max-update", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=200)

@@ -9,8 +9,9 @@ matter in real translation:
 * **contractions**: ``de`` + article -> ``du`` / ``de la`` / ``des``;
 * **ambiguity with a greedy trap**: some English words have several translations. The most likely
   *single* translation starts with a token that is *less* likely than the shared first token of the
-  others (``near`` -> ``près de`` 45 %, ``à côté de`` 30 %, ``à proximité de`` 25 %). Greedy decoding
-  commits to ``à`` (55 %) and ends on a 30 % phrase; beam search keeps ``près`` alive and finds the mode.
+  others (``near`` -> ``près de`` 40 %, ``à côté de`` / ``à proximité de`` / ``à deux pas de`` 20 % each).
+  Greedy decoding commits to ``à`` (60 %) and ends on a 20 % phrase; beam search keeps ``près`` alive and
+  finds the mode.
 
 Every sentence is lower-cased, space-tokenised and ends with `` .``. Generation is deterministic for a
 seed.
@@ -50,10 +51,10 @@ VERBS = {
 # English preposition -> weighted French renderings, all followed by "de" + article (contracted).
 # The most likely rendering does not share the first token of the others: greedy decoding falls for it.
 PREPOSITIONS = {
-    "near": [("près", 0.45), ("à côté", 0.30), ("à proximité", 0.25)],
+    "near": [("près", 0.4), ("à côté", 0.2), ("à proximité", 0.2), ("à deux pas", 0.2)],
     "behind": [("à l'arrière", 1.0)],
-    "far from": [("loin", 0.45), ("à distance", 0.30), ("à l'écart", 0.25)],
-    "in front of": [("en face", 0.45), ("à l'avant", 0.30), ("à hauteur", 0.25)],
+    "far from": [("loin", 0.4), ("à distance", 0.2), ("à l'écart", 0.2), ("à mille lieues", 0.2)],
+    "in front of": [("en face", 0.4), ("à l'avant", 0.2), ("à hauteur", 0.2), ("à la tête", 0.2)],
 }
 
 

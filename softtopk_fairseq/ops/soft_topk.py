@@ -1,0 +1,280 @@
+r"""SOFT top-k and sorted SOFT top-k (Xie et al., NeurIPS 2020): the public operator.
+
+Definition (the one place this package states it)
+-------------------------------------------------
+For one row of scores :math:`x_1..x_n` (the valid ones: finite and not masked), anchors
+:math:`y_0 > \dots > y_{m-1}` one unit apart, and target masses :math:`c_l`, solve the entropic OT problem
+
+.. math::  \min_{\Gamma \ge 0} \sum_{il} \Gamma_{il}\,\tfrac12 (x_i - y_l)^2 + \varepsilon\,\Gamma_{il}\log\Gamma_{il}
+           \quad\text{s.t.}\quad \textstyle\sum_l \Gamma_{il} = 1,\ \sum_i \Gamma_{il} = c_l,
+
+(the paper's problem (4) with :math:`n\Gamma` in place of :math:`\Gamma` and half its cost). Its solution is
+:math:`\Gamma_{il} = \operatorname{softmax}_l((x_i y_l + h_l)/\varepsilon)`, so ``epsilon`` is a temperature in
+the units of the scores:
+
+* ``sorted=False`` -- anchors ``(1, 0)``, masses ``(k, n-k)``. Output ``A_i = Gamma_i0 = sigmoid((x_i - tau)/eps)``
+  with ``tau`` such that ``sum_i A_i = k``; shape of ``scores``.
+* ``sorted=True`` -- anchors ``k, k-1, ..., 0``, masses ``1, ..., 1, n-k``. Output ``A[..., i, l] = Gamma_il``
+  for ranks ``l < k`` (rank 0 = largest), shape ``scores.shape + (k,)``; every rank column sums to 1.
+
+``scaling="paper"`` reproduces the authors' normalisation: their cost :math:`(x_i - y_l)^2` over anchors
+``{0..K}`` (``K = k`` sorted, ``1`` unsorted) divided by its maximum ``M``. That is the problem above with
+temperature :math:`\varepsilon M / 2`, with ``M`` taken **per row** over valid entries (the authors take it
+over the batch, which makes rows depend on each other). Unlike theirs, the backward differentiates through
+``M`` too, so gradients are those of the function actually computed.
+
+Masking, degenerate rows, dtypes
+--------------------------------
+``-inf`` scores (``+inf`` with ``largest=False``) and ``mask == False`` entries are excluded: they get exactly 0 and zero gradient and do not
+count in ``n``. A row with ``n_valid <= k`` valid entries gets 1 on every valid entry (unsorted) or the soft
+sort of its valid entries over ranks ``0..n_valid-1`` (sorted; ranks ``>= n_valid`` are 0). An all-masked row
+is all zeros. NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float scores raise.
+float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
+"""
+import math
+import warnings
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from softtopk_fairseq.ops import backward as _backward
+from softtopk_fairseq.ops import solvers
+
+METHODS = ("newton", "sinkhorn")
+SCALINGS = ("none", "paper")
+DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+DEFAULT_MAX_ITER = {"newton": 50, "sinkhorn": 200}
+
+
+class SolverInfo(NamedTuple):
+    """Per-row solver report, shaped like the scores without ``dim``."""
+
+    iterations: Tensor
+    error: Tensor  # max relative error of the anchor masses
+    converged: Tensor
+
+
+# --------------------------------------------------------------------------------------------------------
+# The op on 2-D (rows, n) tensors, registered with torch.library so torch.compile sees one opaque node.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _normalised_scores(x: Tensor, valid: Tensor, eps: Tensor, k: int) -> Tensor:
+    """u = (x - x_(k)) / eps, where x_(k) is the row's k-th largest valid score.
+
+    Centring at the selection boundary (not at the maximum) keeps the logits u_i y_l + h_l of the
+    elements that matter -- those near the boundary -- small, so float32 does not lose them to
+    cancellation. The clamp keeps far-away elements (saturated anyway) from overflowing.
+    """
+    neg_inf = torch.full((), -torch.inf, dtype=x.dtype, device=x.device)
+    xv = torch.where(valid, x, neg_inf)
+    top = torch.topk(xv, min(k, x.shape[-1]), dim=-1).values
+    kth = (valid.sum(-1, keepdim=True).clamp(max=k) - 1).clamp_min(0)
+    center = top.gather(-1, kth)
+    center = torch.where(torch.isfinite(center), center, torch.zeros_like(center))
+    bound = torch.finfo(x.dtype).max / (8.0 * (k + 2))
+    u = ((x - center) / eps.unsqueeze(-1)).clamp(-bound, bound)
+    return torch.where(valid, u, torch.zeros_like(u))
+
+
+def _check_scores(x: Tensor, valid: Tensor) -> None:
+    if bool(torch.isnan(x).any()):
+        raise ValueError("soft_topk: scores contain NaN")
+    if bool((~torch.isfinite(x) & valid).any()):
+        # Only -inf (largest=True) / +inf (largest=False) marks an excluded entry.
+        raise ValueError("soft_topk: scores contain an infinity on the selected side "
+                         "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
+
+
+@torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
+def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
+                  method: str) -> Tuple[Tensor, Tensor]:
+    _check_scores(x, valid)
+    u = _normalised_scores(x, valid, eps, k)
+    y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, x.dtype)
+    if method == "newton":
+        p, info = solvers.newton_semi_dual(u, valid, y, c, tol, max_iter)
+    else:
+        p, info = solvers.sinkhorn(u, valid, y, c, max_iter, tol if tol > 0 else None)
+    out = p[..., :k] if sorted else p[..., 0]
+    return out.contiguous(), info
+
+
+@_soft_topk_op.register_fake
+def _(x, valid, eps, k, sorted, tol, max_iter, method):
+    shape = (*x.shape, k) if sorted else x.shape
+    return x.new_empty(shape), x.new_empty((x.shape[0], 2))
+
+
+def _plan_from_output(out: Tensor, valid: Tensor, k: int, sorted: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Rebuild the full plan P (rows, n, m), anchors and masses from the operator's output."""
+    y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, out.dtype)
+    taken = out if sorted else out.unsqueeze(-1)
+    rest = (1 - taken.sum(-1, keepdim=True)).clamp_min(0)
+    rest = torch.where((c[:, -1:] > 0).unsqueeze(-1), rest, torch.zeros_like(rest))
+    p = torch.cat([taken, rest], dim=-1) * valid.unsqueeze(-1).to(out.dtype)
+    return p, y, c
+
+
+@torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
+def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
+                           sorted: bool) -> Tuple[Tensor, Tensor]:
+    p, y, c = _plan_from_output(out, valid, k, sorted)
+    grad_taken = grad_out if sorted else grad_out.unsqueeze(-1)
+    grad_p = torch.cat([grad_taken, torch.zeros_like(grad_taken[..., :1])], dim=-1)
+    grad_u = _backward.implicit_grad(p, grad_p, y, c)
+    grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
+    # The output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps (any shift of x cancels,
+    # since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate).
+    xc = torch.where(valid, x, torch.zeros_like(x))
+    xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+    grad_eps = -(grad_x * torch.where(valid, xc, torch.zeros_like(xc))).sum(-1) / eps
+    return grad_x, grad_eps
+
+
+@_soft_topk_backward_op.register_fake
+def _(grad_out, out, x, valid, eps, k, sorted):
+    return out.new_empty(valid.shape), out.new_empty(valid.shape[:1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, valid, eps, k, sorted, *_ = inputs
+    ctx.save_for_backward(output[0], x, valid, eps)
+    ctx.k, ctx.sorted = k, sorted
+
+
+def _backward_fn(ctx, grad_out, grad_info):
+    out, x, valid, eps = ctx.saved_tensors
+    grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted)
+    return grad_x, None, grad_eps, None, None, None, None, None
+
+
+_soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------
+
+
+def _validate(scores, k, epsilon, scaling, method, mask, dim):
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"soft_topk: scores must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"soft_topk: scores must be a floating-point tensor, got {scores.dtype}")
+    if scores.dim() == 0:
+        raise ValueError("soft_topk: scores must have at least one dimension")
+    n = scores.shape[dim]
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"soft_topk: k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= n:
+        raise ValueError(f"soft_topk: k must be in 1..n = 1..{n} along dim {dim}, got k={k}")
+    if isinstance(epsilon, Tensor):
+        raise TypeError("soft_topk: epsilon must be a Python float")
+    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"soft_topk: epsilon must be a finite number > 0, got {epsilon!r}")
+    if scaling not in SCALINGS:
+        raise ValueError(f"soft_topk: scaling must be one of {SCALINGS}, got {scaling!r}")
+    if method not in METHODS:
+        raise ValueError(f"soft_topk: method must be one of {METHODS}, got {method!r}")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError("soft_topk: mask must be a bool tensor (True = keep)")
+        if mask.device != scores.device:
+            raise ValueError(f"soft_topk: mask is on {mask.device} but scores are on {scores.device}")
+        try:
+            torch.broadcast_shapes(mask.shape, scores.shape)
+        except RuntimeError:
+            raise ValueError(f"soft_topk: mask of shape {tuple(mask.shape)} does not broadcast to scores "
+                             f"of shape {tuple(scores.shape)}") from None
+
+
+def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
+              largest: bool = True, mask: Optional[Tensor] = None, scaling: str = "none",
+              tol: Optional[float] = None, max_iter: Optional[int] = None, method: str = "newton",
+              return_info: bool = False):
+    r"""Differentiable top-k indicator of ``scores`` along ``dim`` (see the module docstring for the math).
+
+    Args:
+        scores: float tensor, any shape; ``-inf`` entries are excluded.
+        k: number of elements to select, ``1 <= k <= scores.shape[dim]``.
+        dim: dimension to select along.
+        epsilon: entropic temperature, in the units of ``scores`` (``scaling="none"``).
+        sorted: ``False`` -> output like ``scores``, values in [0, 1] summing to ``k`` along ``dim``.
+            ``True`` -> output ``scores.shape + (k,)`` (``dim`` keeps its place, ranks are last):
+            ``A[..., i, l]`` is the soft indicator that element ``i`` has rank ``l`` (0 = largest).
+        largest: select the largest (``True``) or the smallest elements, like ``torch.topk``.
+        mask: optional bool tensor broadcastable to ``scores``; ``False`` entries are excluded.
+        scaling: ``"none"`` or ``"paper"`` (divide the cost by its per-row maximum, as the authors do).
+        tol: stop when every anchor's mass is within ``tol`` (relative) of its target. Default 1e-6 in
+            float32 (also for float16/bfloat16 inputs), 1e-12 in float64.
+        max_iter: iteration cap (default 50 Newton steps; 200 Sinkhorn iterations). A warning is issued
+            when a row hits it unconverged.
+        method: ``"newton"`` (damped Newton on the semi-dual, default) or ``"sinkhorn"`` (the paper's
+            Algorithm 1 in the log domain; with ``tol=0`` it runs exactly ``max_iter`` iterations).
+        return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged) per row.
+
+    Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
+    """
+    _validate(scores, k, epsilon, scaling, method, mask, dim)
+    dim = dim % scores.dim()
+    in_dtype = scores.dtype
+    compute_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
+    x = scores.to(compute_dtype).movedim(dim, -1)
+    batch_shape, n = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, n)
+    valid = x != (-torch.inf if largest else torch.inf)
+    if mask is not None:
+        valid = valid & mask.expand(scores.shape).movedim(dim, -1).reshape(-1, n)
+    if not largest:
+        x = -x
+    if scaling == "paper":
+        anchor_top = float(k if sorted else 1)
+        xv = torch.where(valid, x, torch.zeros_like(x))  # no inf * 0 in the backward of square()
+        cost = torch.maximum(xv.square(), (xv - anchor_top).square())
+        cost_max = torch.where(valid, cost, torch.zeros_like(cost)).amax(-1)
+        eps = torch.where(cost_max > 0, epsilon * cost_max / 2, torch.full_like(cost_max, epsilon))
+    else:
+        eps = torch.full(x.shape[:1], float(epsilon), dtype=compute_dtype, device=x.device)
+    if tol is None:
+        tol = DEFAULT_TOL[compute_dtype]
+    if max_iter is None:
+        max_iter = DEFAULT_MAX_ITER[method]
+    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method)
+    if not torch.compiler.is_compiling():
+        unconverged = info[:, 1] > tol
+        if method == "newton" and bool(unconverged.any()):
+            warnings.warn(
+                f"soft_topk: {int(unconverged.sum())} row(s) stopped at marginal error "
+                f"{float(info[:, 1].max()):.3g} > tol={tol:g} after at most {max_iter} iterations "
+                "(raise max_iter or tol)", RuntimeWarning, stacklevel=2)
+    if sorted:
+        out = out.reshape(*batch_shape, n, k).movedim(-2, dim)
+    else:
+        out = out.reshape(*batch_shape, n).movedim(-1, dim)
+    out = out.to(in_dtype)
+    if return_info:
+        iters = info[:, 0].reshape(batch_shape)
+        err = info[:, 1].reshape(batch_shape)
+        return out, SolverInfo(iters, err, err <= tol)
+    return out
+
+
+class SoftTopK(nn.Module):
+    """``nn.Module`` wrapper of :func:`soft_topk` with fixed ``k``, ``epsilon`` and options."""
+
+    def __init__(self, k: int, epsilon: float = 0.1, *, dim: int = -1, sorted: bool = False,
+                 largest: bool = True, scaling: str = "none", tol: Optional[float] = None,
+                 max_iter: Optional[int] = None, method: str = "newton"):
+        super().__init__()
+        self.k, self.epsilon, self.dim, self.sorted, self.largest = k, epsilon, dim, sorted, largest
+        self.scaling, self.tol, self.max_iter, self.method = scaling, tol, max_iter, method
+
+    def forward(self, scores: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        return soft_topk(scores, self.k, dim=self.dim, epsilon=self.epsilon, sorted=self.sorted,
+                         largest=self.largest, mask=mask, scaling=self.scaling, tol=self.tol,
+                         max_iter=self.max_iter, method=self.method)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, epsilon={self.epsilon}, sorted={self.sorted}, largest={self.largest}"

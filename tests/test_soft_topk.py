@@ -1,0 +1,256 @@
+"""SOFT top-k operator: definition, solver agreement, backward, masking, errors, dtypes."""
+import warnings
+
+import pytest
+import torch
+
+from softtopk_fairseq.ops import SoftTopK, soft_topk, solvers
+from softtopk_fairseq.ops.paper_reference import paper_sorted_soft_topk
+
+f64 = torch.float64
+
+
+def unrolled_sinkhorn(x, k, epsilon, sorted, mask=None, iters=3000):
+    """Autograd through a converged log-domain Sinkhorn on the same problem: the reference for values
+    and gradients (independent of the Newton solver and of the closed-form backward)."""
+    valid = torch.isfinite(x) if mask is None else torch.isfinite(x) & mask
+    u = torch.where(valid, x / epsilon, torch.zeros_like(x))
+    y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, x.dtype)
+    p, _ = solvers.sinkhorn(u, valid, y, c, iters)
+    return p[..., :k] if sorted else p[..., 0]
+
+
+@pytest.mark.parametrize("sorted", [False, True])
+@pytest.mark.parametrize("epsilon", [1.0, 0.3, 0.1])
+def test_newton_matches_converged_sinkhorn(sorted, epsilon):
+    torch.manual_seed(0)
+    x = torch.randn(4, 30, dtype=f64)
+    ours, info = soft_topk(x, 5, epsilon=epsilon, sorted=sorted, return_info=True)
+    ref, ref_info = soft_topk(x, 5, epsilon=epsilon, sorted=sorted, method="sinkhorn", tol=1e-13,
+                              max_iter=20000, return_info=True)
+    assert bool(ref_info.converged.all())
+    assert bool(info.converged.all()) and info.iterations.max() <= 20
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("epsilon", [0.01, 0.001])
+def test_newton_solves_small_epsilon_where_sinkhorn_crawls(epsilon):
+    """At small epsilon Sinkhorn needs >1e5 iterations; Newton must still meet the optimality conditions:
+    exact marginals and, for the sorted plan, P_il proportional to exp((x_i y_l + h_l)/eps)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 30, dtype=f64)
+    a, info = soft_topk(x, 5, epsilon=epsilon, return_info=True)
+    assert bool(info.converged.all()) and info.iterations.max() <= 20
+    torch.testing.assert_close(a.sum(-1), torch.full((4,), 5.0, dtype=f64), atol=1e-10, rtol=0)
+    s, info = soft_topk(x, 5, epsilon=epsilon, sorted=True, return_info=True)
+    assert bool(info.converged.all()) and info.iterations.max() <= 30
+    torch.testing.assert_close(s.sum(-2), torch.ones(4, 5, dtype=f64), atol=1e-10, rtol=0)
+    # Adjacent-rank log-ratio log(P_il / P_i,l+1) = (x_i + h_l - h_{l+1}) / eps: x_i/eps + a row constant.
+    big = (s[..., :-1] > 1e-100) & (s[..., 1:] > 1e-100)
+    ratio = torch.log(s[..., :-1]) - torch.log(s[..., 1:]) - (x / epsilon).unsqueeze(-1)
+    ref = torch.where(big, ratio, torch.zeros_like(ratio)).sum(1) / big.sum(1).clamp_min(1)
+    dev = torch.where(big, ratio - ref.unsqueeze(1), torch.zeros_like(ratio)).abs().max()
+    assert dev < 1e-6
+
+
+def test_shapes_sums_and_ranges():
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 17)
+    a = soft_topk(x, 4, epsilon=0.3)
+    assert a.shape == x.shape and a.dtype == x.dtype
+    assert bool(((a >= 0) & (a <= 1)).all())
+    torch.testing.assert_close(a.sum(-1), torch.full((2, 3), 4.0), atol=1e-5, rtol=0)
+    s = soft_topk(x, 4, epsilon=0.3, sorted=True)
+    assert s.shape == (2, 3, 17, 4)
+    torch.testing.assert_close(s.sum(-2), torch.ones(2, 3, 4), atol=1e-5, rtol=0)
+    assert bool((s.sum(-1) <= 1 + 1e-6).all())
+
+
+def test_dim_argument_is_equivalent_to_transposing():
+    torch.manual_seed(2)
+    x = torch.randn(6, 5, 3, dtype=f64)
+    a = soft_topk(x, 2, dim=0, epsilon=0.2)
+    torch.testing.assert_close(a, soft_topk(x.movedim(0, -1), 2, epsilon=0.2).movedim(-1, 0))
+    s = soft_topk(x, 2, dim=1, epsilon=0.2, sorted=True)
+    assert s.shape == (6, 5, 3, 2)
+    torch.testing.assert_close(s, soft_topk(x.movedim(1, -1), 2, epsilon=0.2, sorted=True).movedim(-2, 1))
+
+
+def test_unsorted_is_a_sigmoid_with_temperature_epsilon():
+    """A_i = sigmoid((x_i - tau)/eps): logit(A) - x/eps is the same for every element."""
+    torch.manual_seed(3)
+    x = torch.randn(3, 12, dtype=f64)
+    a = soft_topk(x, 3, epsilon=0.7)
+    shift = torch.logit(a) - x / 0.7
+    torch.testing.assert_close(shift, shift[:, :1].expand_as(shift), atol=1e-9, rtol=0)
+
+
+def test_largest_false_selects_the_smallest():
+    x = torch.tensor([[3.0, -1.0, 2.0, -5.0, 0.0]], dtype=f64)
+    assert soft_topk(x, 2, epsilon=1e-3, largest=False).round().tolist() == [[0, 1, 0, 1, 0]]
+    s = soft_topk(x, 2, epsilon=1e-3, largest=False, sorted=True)
+    assert s.argmax(-2).tolist() == [[3, 1]]
+    torch.testing.assert_close(soft_topk(x, 2, epsilon=0.5, largest=False), soft_topk(-x, 2, epsilon=0.5))
+
+
+def test_paper_scaling_matches_authors_algorithm_run_to_convergence():
+    torch.manual_seed(4)
+    for n, k in ((10, 3), (200, 5)):
+        x = torch.randn(1, n, dtype=f64) * 2 + 1
+        ref = paper_sorted_soft_topk(x, k, epsilon=0.1, max_iter=20000)
+        ours = soft_topk(x, k, sorted=True, epsilon=0.1, scaling="paper")
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)   # the spec
+        torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)  # what we actually get in float64
+        ours32 = soft_topk(x.float(), k, sorted=True, epsilon=0.1, scaling="paper")
+        torch.testing.assert_close(ours32.double(), ref, atol=1e-4, rtol=0)
+
+
+def test_paper_scaling_is_per_row_unlike_the_authors_code():
+    torch.manual_seed(5)
+    x = torch.randn(2, 20, dtype=f64)
+    x[1] *= 10
+    batched = soft_topk(x, 3, sorted=True, scaling="paper")
+    one_by_one = torch.cat([soft_topk(x[i:i + 1], 3, sorted=True, scaling="paper") for i in range(2)])
+    torch.testing.assert_close(batched, one_by_one, atol=1e-12, rtol=0)
+    # The authors' batch-wide maximum makes row 0 depend on row 1 -- the defect we fix.
+    theirs = paper_sorted_soft_topk(x, 3, max_iter=2000)
+    alone = paper_sorted_soft_topk(x[:1], 3, max_iter=2000)
+    assert (theirs[0] - alone[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("sorted", [False, True])
+def test_gradcheck_finite_differences(sorted):
+    torch.manual_seed(6)
+    x = torch.randn(3, 9, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z: soft_topk(z, 3, epsilon=0.4, sorted=sorted), (x,))
+    assert torch.autograd.gradcheck(lambda z: soft_topk(z, 2, epsilon=0.4, sorted=sorted, scaling="paper"), (x,))
+
+
+@pytest.mark.parametrize("sorted", [False, True])
+def test_gradcheck_with_masks_short_and_empty_rows(sorted):
+    torch.manual_seed(7)
+    x = torch.randn(4, 8, dtype=f64)
+    mask = torch.ones(4, 8, dtype=torch.bool)
+    mask[0, :3] = False      # n_valid = 5 > k
+    mask[1, :6] = False      # n_valid = 2 < k: soft sort of the valid entries / all ones
+    mask[2, :] = False       # all masked
+    x[3, 2] = -torch.inf     # -inf excluded
+    xg = x.clone().requires_grad_()
+    fn = lambda z: soft_topk(z, 3, epsilon=0.5, sorted=sorted, mask=mask)  # noqa: E731
+    out = fn(xg)
+    assert bool(torch.isfinite(out).all())
+    # gradcheck perturbs entries; keep -inf out of the perturbed set by masking it too.
+    mask[3, 2] = False
+    xf = torch.where(mask, x, torch.zeros_like(x)).requires_grad_()
+    assert torch.autograd.gradcheck(fn, (xf,))
+    (out * torch.randn_like(out)).sum().backward()
+    assert bool((xg.grad[~mask] == 0).all()) and bool(torch.isfinite(xg.grad).all())
+
+
+@pytest.mark.parametrize("sorted", [False, True])
+def test_implicit_backward_matches_autograd_through_sinkhorn(sorted):
+    torch.manual_seed(8)
+    x = torch.randn(3, 15, dtype=f64)
+    mask = torch.rand(3, 15) > 0.2
+    w = torch.randn(3, 15, 4, dtype=f64) if sorted else torch.randn(3, 15, dtype=f64)
+    x1 = x.clone().requires_grad_()
+    (soft_topk(x1, 4, epsilon=0.3, sorted=sorted, mask=mask) * w).sum().backward()
+    x2 = x.clone().requires_grad_()
+    (unrolled_sinkhorn(x2, 4, 0.3, sorted, mask) * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-8, rtol=0)
+
+
+def test_masked_entries_are_exactly_zero_and_do_not_count():
+    x = torch.tensor([[5.0, -torch.inf, 1.0, 3.0, 2.0]], dtype=f64)
+    a = soft_topk(x, 2, epsilon=0.2)
+    assert a[0, 1] == 0
+    torch.testing.assert_close(a[:, [0, 2, 3, 4]], soft_topk(x[:, [0, 2, 3, 4]], 2, epsilon=0.2))
+    mask = torch.tensor([[True, True, False, True, True]])
+    b = soft_topk(torch.nan_to_num(x, neginf=0.0), 2, epsilon=0.2, mask=mask)
+    assert b[0, 2] == 0
+    s = soft_topk(x, 2, epsilon=0.2, sorted=True)
+    assert bool((s[0, 1] == 0).all())
+
+
+def test_rows_with_few_or_no_valid_entries_are_defined():
+    x = torch.tensor([[1.0, -torch.inf, 0.0, -torch.inf], [-torch.inf] * 4], dtype=f64)
+    a = soft_topk(x, 3, epsilon=0.1)
+    assert a.tolist() == [[1.0, 0.0, 1.0, 0.0], [0.0] * 4]
+    s = soft_topk(x, 3, epsilon=0.1, sorted=True)
+    assert bool(torch.isfinite(s).all()) and bool((s[1] == 0).all())
+    torch.testing.assert_close(s[0, [0, 2]].sum(0), torch.tensor([1.0, 1.0, 0.0], dtype=f64))  # ranks 0, 1 filled
+    assert s[0, 0, 0] > 0.99 and s[0, 2, 1] > 0.99
+
+
+def test_sorted_and_unsorted_agree_as_epsilon_goes_to_zero():
+    torch.manual_seed(9)
+    x = torch.randperm(40).to(f64).view(2, 20)  # distinct, gaps >= 1
+    for eps in (0.05, 0.01):
+        s = soft_topk(x, 6, epsilon=eps, sorted=True).sum(-1)
+        a = soft_topk(x, 6, epsilon=eps)
+        assert (s - a).abs().max() < 50 * torch.exp(torch.tensor(-1 / eps))
+
+
+def test_ties_split_mass_evenly():
+    x = torch.tensor([[2.0, 1.0, 1.0, 0.0]], dtype=f64)
+    a = soft_topk(x, 2, epsilon=1e-3)
+    torch.testing.assert_close(a, torch.tensor([[1.0, 0.5, 0.5, 0.0]], dtype=f64), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dtypes_round_trip(dtype):
+    x = torch.randn(3, 10).to(dtype).requires_grad_()
+    for sorted in (False, True):
+        out = soft_topk(x, 3, epsilon=0.5, sorted=sorted)
+        assert out.dtype == dtype
+        out.float().sum().backward()
+        assert x.grad.dtype == dtype and bool(torch.isfinite(x.grad).all())
+        x.grad = None
+
+
+def test_module_wrapper():
+    m = SoftTopK(2, epsilon=0.2, sorted=True)
+    x = torch.randn(4, 7)
+    torch.testing.assert_close(m(x), soft_topk(x, 2, epsilon=0.2, sorted=True))
+    assert "k=2" in repr(m)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(scores=torch.tensor([[1.0, float("nan")]])), ValueError, "NaN"),
+    (dict(scores=torch.tensor([[1.0, float("inf")]])), ValueError, "infinity"),
+    (dict(scores=torch.tensor([[1.0, -float("inf")]]), largest=False), ValueError, "infinity"),
+    (dict(k=0), ValueError, "k must be in"),
+    (dict(k=4), ValueError, "k must be in"),
+    (dict(k=1.5), TypeError, "k must be an int"),
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(epsilon=-1.0), ValueError, "epsilon"),
+    (dict(epsilon=float("nan")), ValueError, "epsilon"),
+    (dict(scores=torch.tensor([[1, 2, 3]])), TypeError, "floating-point"),
+    (dict(mask=torch.ones(1, 3)), TypeError, "bool"),
+    (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "broadcast"),
+    (dict(scaling="batch"), ValueError, "scaling"),
+    (dict(method="lbfgs"), ValueError, "method"),
+])
+def test_clear_errors(bad, exc, match):
+    kwargs = dict(scores=torch.tensor([[1.0, 2.0, 3.0]]), k=2)
+    kwargs.update(bad)
+    scores, k = kwargs.pop("scores"), kwargs.pop("k")
+    with pytest.raises(exc, match=match):
+        soft_topk(scores, k, **kwargs)
+
+
+def test_warns_when_iteration_cap_is_hit():
+    torch.manual_seed(10)
+    x = torch.randn(2, 50, dtype=f64)
+    with pytest.warns(RuntimeWarning, match="marginal error"):
+        _, info = soft_topk(x, 5, epsilon=0.05, sorted=True, max_iter=1, return_info=True)
+    assert not bool(info.converged.all())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        soft_topk(x, 5, epsilon=0.05, sorted=True)
+
+
+def test_fixed_iteration_sinkhorn_runs_exactly_max_iter():
+    x = torch.randn(2, 20, dtype=f64)
+    _, info = soft_topk(x, 3, sorted=True, method="sinkhorn", tol=0, max_iter=17, return_info=True)
+    assert info.iterations.tolist() == [17.0, 17.0]
