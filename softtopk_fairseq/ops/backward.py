@@ -28,10 +28,17 @@ Tensor = torch.Tensor
 
 
 def implicit_grad(p: Tensor, grad_p: Tensor, y: Tensor, c: Tensor) -> Tensor:
-    """dL/du (rows, n) from the converged plan ``p`` (rows, n, m) and ``grad_p`` = dL/dP (rows, n, m)."""
-    g_bar = (p * grad_p).sum(-1, keepdim=True)                     # (rows, n, 1)
-    v = (p * (grad_p - g_bar)).sum(-2)                             # (rows, m)
-    s = p.sum(-2)
-    w = hessian_solve(p, s, free_anchors(c), v)                    # (rows, m)
-    y_bar = (p * y).sum(-1, keepdim=True)
-    return (p * (y - y_bar) * (grad_p - w.unsqueeze(-2))).sum(-1)
+    """dL/du (rows, n) from the converged plan ``p`` and ``grad_p`` = dL/dP, both anchors-first (rows, m, n).
+
+    Expanded so that every O(n m) step is a contraction over the anchors (a batched mat-vec):
+    ``grad_i = sum_l P G y - ybar Gbar - sum_l P y w + ybar sum_l P w``.
+    """
+    rows, m, n = p.shape
+    pg = p * grad_p
+    ones_y = torch.stack([torch.ones_like(y), y]).expand(rows, 2, m)
+    g_bar, yg = (ones_y @ pg).unbind(-2)                           # sum_l P G, sum_l P G y   (rows, n)
+    v = pg.sum(-1) - (p @ g_bar.unsqueeze(-1)).squeeze(-1)         # (rows, m)
+    w = hessian_solve(p, p.sum(-1), free_anchors(c), v)           # (rows, m)
+    coeffs = torch.stack([y.expand(rows, m), w * y, w], dim=-2)    # (rows, 3, m)
+    y_bar, yw, pw = (coeffs @ p).unbind(-2)                        # (rows, n) each
+    return yg - y_bar * g_bar - yw + y_bar * pw
