@@ -39,4 +39,4 @@ def test_opcheck():
     eps = torch.full((3,), 0.5, dtype=torch.float64, requires_grad=True)
     for sorted in (False, True):
         torch.library.opcheck(torch.ops.softtopk_fairseq.soft_topk.default,
-                              (x.clone().requires_grad_(), valid, eps, 2, sorted, 1e-10, 50, "newton"))
+                              (x.clone().requires_grad_(), valid, eps, 2, sorted, 1e-10, 50, "newton", "torch"))

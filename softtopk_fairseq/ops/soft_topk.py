@@ -42,6 +42,7 @@ from softtopk_fairseq.ops import backward as _backward
 from softtopk_fairseq.ops import solvers
 
 METHODS = ("newton", "sinkhorn")
+BACKENDS = ("auto", "torch", "triton")
 SCALINGS = ("none", "paper")
 DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 DEFAULT_MAX_ITER = {"newton": 50, "sinkhorn": 200}
@@ -87,12 +88,57 @@ def _check_scores(x: Tensor, valid: Tensor) -> None:
                          "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
 
 
+def _triton_inputs(u: Tensor, valid: Tensor, c: Tensor, y: Tensor):
+    """Padded per-row inputs of the Triton kernels: shifted initial thresholds, their log-c shift,
+    target masses, number of active anchors, padded anchors, validity mask (None if nothing masked)."""
+    from softtopk_fairseq.ops import triton_kernels
+
+    rows, m = c.shape
+    mp = triton_kernels.padded_anchors(m)
+    t = solvers.initial_thresholds(u, valid, c)
+    tz = u.new_zeros(rows, mp)
+    tz[:, 1:m] = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+    log_c = torch.log(c.clamp_min(torch.finfo(u.dtype).tiny))
+    shift = u.new_zeros(rows, mp)
+    shift[:, 1:m] = torch.where(c[:, 1:] > 0, log_c[:, 1:] - log_c[:, :-1], torch.zeros_like(t))
+    c_pad = u.new_zeros(rows, mp)
+    c_pad[:, :m] = c
+    y_pad = u.new_zeros(mp)
+    y_pad[:m] = y
+    m_act = (c > 0).sum(-1).to(torch.int32)
+    mask = None if bool(valid.all()) else valid.contiguous()
+    return tz, shift, c_pad, m_act, y_pad, mask
+
+
+def _use_triton(x: Tensor, method: str, backend: str) -> bool:
+    if backend == "torch" or method != "newton":
+        return False
+    if backend == "triton":
+        return True
+    return x.is_cuda and x.dtype == torch.float32 and _triton_available()
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
 def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
-                  method: str) -> Tuple[Tensor, Tensor]:
+                  method: str, backend: str) -> Tuple[Tensor, Tensor]:
     _check_scores(x, valid)
     u = _normalised_scores(x, valid, eps, k)
     y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, x.dtype)
+    if _use_triton(x, method, backend):
+        from softtopk_fairseq.ops import triton_kernels
+
+        if x.dtype != torch.float32:
+            raise ValueError("soft_topk: the Triton kernels compute in float32; use backend='torch' for float64")
+        tz, shift, c_pad, m_act, _, mask = _triton_inputs(u, valid, c, y)
+        return triton_kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
     if method == "newton":
         p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter)
     else:
@@ -102,7 +148,7 @@ def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, t
 
 
 @_soft_topk_op.register_fake
-def _(x, valid, eps, k, sorted, tol, max_iter, method):
+def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
     shape = (*x.shape, k) if sorted else x.shape
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
@@ -119,12 +165,25 @@ def _plan_from_output(out: Tensor, valid: Tensor, k: int, sorted: bool) -> Tuple
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
-                           sorted: bool) -> Tuple[Tensor, Tensor]:
-    p, y, c = _plan_from_output(out, valid, k, sorted)
-    grad_taken = grad_out.transpose(-1, -2) if sorted else grad_out.unsqueeze(-2)
-    grad_p = torch.cat([grad_taken, torch.zeros_like(grad_taken[:, :1])], dim=-2)
-    grad_u = _backward.implicit_grad(p, grad_p, y, c)
-    grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
+                           sorted: bool, backend: str) -> Tuple[Tensor, Tensor]:
+    if _use_triton(x, "newton", backend):
+        from softtopk_fairseq.ops import triton_kernels
+
+        y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, out.dtype)
+        mp = triton_kernels.padded_anchors(c.shape[-1])
+        y_pad = out.new_zeros(mp)
+        y_pad[: y.shape[0]] = y
+        m_act = (c > 0).sum(-1).to(torch.int32)
+        rest_on = (c[:, -1] > 0).to(torch.int32)
+        mask = None if bool(valid.all()) else valid.contiguous()
+        grad_x = triton_kernels.backward(out.contiguous(), grad_out.contiguous(), mask, y_pad, m_act, rest_on,
+                                         eps.contiguous(), k, sorted)
+    else:
+        p, y, c = _plan_from_output(out, valid, k, sorted)
+        grad_taken = grad_out.transpose(-1, -2) if sorted else grad_out.unsqueeze(-2)
+        grad_p = torch.cat([grad_taken, torch.zeros_like(grad_taken[:, :1])], dim=-2)
+        grad_u = _backward.implicit_grad(p, grad_p, y, c)
+        grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
     # The output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps (any shift of x cancels,
     # since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate).
     xc = torch.where(valid, x, torch.zeros_like(x))
@@ -134,20 +193,21 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
 
 
 @_soft_topk_backward_op.register_fake
-def _(grad_out, out, x, valid, eps, k, sorted):
+def _(grad_out, out, x, valid, eps, k, sorted, backend):
     return out.new_empty(valid.shape), out.new_empty(valid.shape[:1])
 
 
 def _setup_context(ctx, inputs, output):
-    x, valid, eps, k, sorted, *_ = inputs
+    x, valid, eps, k, sorted, tol, max_iter, method, backend = inputs
     ctx.save_for_backward(output[0], x, valid, eps)
-    ctx.k, ctx.sorted = k, sorted
+    ctx.k, ctx.sorted, ctx.backend = k, sorted, backend
 
 
 def _backward_fn(ctx, grad_out, grad_info):
     out, x, valid, eps = ctx.saved_tensors
-    grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted)
-    return grad_x, None, grad_eps, None, None, None, None, None
+    grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted,
+                                              ctx.backend)
+    return grad_x, None, grad_eps, None, None, None, None, None, None
 
 
 _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
@@ -158,7 +218,7 @@ _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------------------
 
 
-def _validate(scores, k, epsilon, scaling, method, mask, dim):
+def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
     if not isinstance(scores, Tensor):
         raise TypeError(f"soft_topk: scores must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
@@ -178,6 +238,8 @@ def _validate(scores, k, epsilon, scaling, method, mask, dim):
         raise ValueError(f"soft_topk: scaling must be one of {SCALINGS}, got {scaling!r}")
     if method not in METHODS:
         raise ValueError(f"soft_topk: method must be one of {METHODS}, got {method!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"soft_topk: backend must be one of {BACKENDS}, got {backend!r}")
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError("soft_topk: mask must be a bool tensor (True = keep)")
@@ -193,7 +255,7 @@ def _validate(scores, k, epsilon, scaling, method, mask, dim):
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
               largest: bool = True, mask: Optional[Tensor] = None, scaling: str = "none",
               tol: Optional[float] = None, max_iter: Optional[int] = None, method: str = "newton",
-              return_info: bool = False):
+              backend: str = "auto", return_info: bool = False):
     r"""Differentiable top-k indicator of ``scores`` along ``dim`` (see the module docstring for the math).
 
     Args:
@@ -213,11 +275,14 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
             when a row hits it unconverged.
         method: ``"newton"`` (damped Newton on the semi-dual, default) or ``"sinkhorn"`` (the paper's
             Algorithm 1 in the log domain; with ``tol=0`` it runs exactly ``max_iter`` iterations).
+        backend: ``"auto"`` (fused Triton kernels for float32 CUDA tensors when triton is installed,
+            PyTorch otherwise), ``"torch"`` or ``"triton"`` (float32 only; with ``TRITON_INTERPRET=1``
+            also on CPU tensors, slowly -- for tests).
         return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged) per row.
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
-    _validate(scores, k, epsilon, scaling, method, mask, dim)
+    _validate(scores, k, epsilon, scaling, method, backend, mask, dim)
     dim = dim % scores.dim()
     in_dtype = scores.dtype
     compute_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
@@ -241,7 +306,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method)
+    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backend)
     if not torch.compiler.is_compiling():
         # Rows may also stop early at their rounding floor (float32 scores far from 0 relative to epsilon
         # carry only ~1e-7 * |x| / epsilon of information); that is reported in the info, not warned about.

@@ -78,9 +78,16 @@ def _plan(u: Tensor, valid: Optional[Tensor], t: Tensor) -> Tensor:
     +-LOGIT_CLAMP first: beyond that an anchor is saturated (weight < 2e-28 relative to its neighbour,
     below float64 resolution) and a huge term would wipe out the small ones after it in the running sum.
     """
-    diffs = t.unsqueeze(-1) - u.unsqueeze(-2)                                  # (rows, m-1, n)
-    diffs = torch.where(torch.isneginf(t).unsqueeze(-1), diffs, diffs.clamp(-LOGIT_CLAMP, LOGIT_CLAMP))
-    logits = torch.cat([torch.zeros_like(u).unsqueeze(-2), torch.cumsum(diffs, dim=-2)], dim=-2)
+    rows, n = u.shape
+    diffs = (t.unsqueeze(-1) - u.unsqueeze(-2)).clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)  # (rows, m-1, n)
+    off = torch.isneginf(t)
+    if bool(off.any()):
+        diffs.masked_fill_(off.unsqueeze(-1), -torch.inf)
+    if diffs.requires_grad:  # the unrolled-Sinkhorn reference differentiates through this
+        logits = torch.cat([u.new_zeros(rows, 1, n), torch.cumsum(diffs, dim=-2)], dim=-2)
+    else:  # anchor 0 has logit 0: write the running sums after it, no concatenation copy
+        logits = u.new_zeros(rows, t.shape[-1] + 1, n)
+        torch.cumsum(diffs, dim=-2, out=logits[:, 1:])
     p = torch.softmax(logits, dim=-2)
     if valid is None:
         return p
@@ -182,11 +189,18 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
     # same with h shifted by log c (best when eps is large: then P_il ~ c_l). Each row keeps the better.
     t = initial_thresholds(u, valid, c)
     p, s, err = evaluate(t)
-    log_c = torch.log(c.clamp_min(torch.finfo(u.dtype).tiny))
-    t2 = t + (log_c[:, 1:] - log_c[:, :-1])
-    p2, s2, err2 = evaluate(t2)
-    better = err2 < err
-    t, p, s, err = (_pick(better, a, b) for a, b in ((t2, t), (p2, p), (s2, s), (err2, err)))
+    retry = err > 0.05  # the hard start is poor there: try the other one on those rows only
+    if bool(retry.any()):
+        idx = retry.nonzero().squeeze(-1)
+        log_c = torch.log(c[idx].clamp_min(torch.finfo(u.dtype).tiny))
+        t2 = t[idx] + (log_c[:, 1:] - log_c[:, :-1])
+        p2, s2, err2 = evaluate(t2, u[idx], None if mask is None else mask[idx], c[idx])
+        better = err2 < err[idx]
+        if bool(better.all()) and len(idx) == rows:
+            t, p, s, err = t2, p2, s2, err2
+        elif bool(better.any()):
+            sel, b = idx[better], better.nonzero().squeeze(-1)
+            t[sel], p[sel], s[sel], err[sel] = t2[b], p2[b], s2[b], err2[b]
 
     iters = torch.zeros(rows, dtype=u.dtype, device=u.device)
     # Work only on the rows still iterating ("active", indices ``act``); a row leaving the set stores

@@ -1,0 +1,226 @@
+"""Fused Triton kernels for SOFT top-k on CUDA tensors: the whole Newton solve in one launch, and the
+closed-form backward in one more. The math is the one of ``solvers.py`` / ``backward.py`` (same threshold
+parameterisation, same damping rule, same Hessian); only the schedule differs:
+
+* forward: one program per row keeps the thresholds (anchor axis padded to ``MP``), the anchor masses
+  ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each evaluation streams the row's scores once in
+  blocks of ``BLOCK_N`` (the plan is never stored); the ``m x m`` Newton system is solved in registers
+  by Gauss-Jordan elimination. A last pass writes the output.
+* backward: two streaming passes per row -- one accumulates ``v`` and ``M``, one writes the gradient.
+
+Inputs prepared by the launcher (``soft_topk.py``): ``u`` (rows, n) float32, the validity mask, the
+initial shifted thresholds ``tz[l] = t_{l-1}`` (l = 1..m-1), the per-row target masses ``c`` and number of
+active anchors. Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
+(``TRITON_INTERPRET=1``) runs it on CPU tensors for the tests.
+"""
+import torch
+import triton
+import triton.language as tl
+
+LOGIT_CLAMP = tl.constexpr(64.0)  # same value as solvers.LOGIT_CLAMP
+
+
+@triton.jit
+def _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK: tl.constexpr, MP: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """P tile (BLOCK_N, MP) of elements start..start+BLOCK_N of ``row``; zero rows where invalid."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    in_row = offs_n < n
+    u = tl.load(u_ptr + row * n + offs_n, mask=in_row, other=0.0)
+    keep = in_row
+    if HAS_MASK:
+        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=in_row, other=0) != 0)
+    lane = tl.arange(0, MP)
+    # z_l = sum_{j < l} (t_j - u): running sum of the clamped, shifted differences tz[l] - u.
+    d = tz[None, :] - u[:, None]
+    d = tl.minimum(tl.maximum(d, -LOGIT_CLAMP), LOGIT_CLAMP)
+    d = tl.where((lane[None, :] >= 1) & (lane[None, :] < m_act), d, 0.0)
+    z = tl.cumsum(d, axis=1)
+    z = tl.where(lane[None, :] < m_act, z, float("-inf"))
+    zmax = tl.max(z, axis=1)
+    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)  # rows with no active anchor: no -inf - -inf
+    e = tl.exp(z - zmax[:, None])
+    p = e / tl.sum(e, axis=1)[:, None]
+    return tl.where(keep[:, None], p, 0.0)
+
+
+@triton.jit
+def _evaluate(u_ptr, valid_ptr, row, n, tz, m_act, c, HAS_MASK: tl.constexpr, MP: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Anchor masses s (MP,), P P^T (MP, MP) and the max relative marginal error for thresholds tz."""
+    s = tl.zeros((MP,), dtype=tl.float32)
+    ppt = tl.zeros((MP, MP), dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        p = _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK, MP, BLOCK_N)
+        s += tl.sum(p, axis=0)
+        ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
+    lane = tl.arange(0, MP)
+    err = tl.max(tl.where((lane < m_act) & (c > 0), tl.abs(s - c) / tl.maximum(c, 1.0), 0.0), axis=0)
+    return s, ppt, err
+
+
+@triton.jit
+def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr):
+    """Solve (diag(s) - P P^T) x = rhs on the free anchors (active, not the pinned last one); x = 0 elsewhere."""
+    lane = tl.arange(0, MP)
+    ri = lane[:, None]
+    ci = lane[None, :]
+    free_r = lane < (m_act - 1)
+    free2 = (ri < (m_act - 1)) & (ci < (m_act - 1))
+    scale = tl.maximum(tl.max(tl.where(free_r, s, 0.0), axis=0), 1.0)
+    ridge = 16 * 1.1920928955078125e-07 * scale
+    a = tl.where(ri == ci, s[:, None], 0.0) - ppt
+    a = tl.where(free2, a, 0.0) + tl.where((ri == ci) & free2, ridge, 0.0) + tl.where((ri == ci) & ~free2, 1.0, 0.0)
+    x = tl.where(free_r, rhs, 0.0)
+    for q in tl.static_range(MP):  # Gauss-Jordan; the matrix is symmetric positive definite
+        row_q = tl.sum(tl.where(ri == q, a, 0.0), axis=0)
+        piv = tl.sum(tl.where(lane == q, row_q, 0.0), axis=0)
+        x_q = tl.sum(tl.where(lane == q, x, 0.0), axis=0) / piv
+        row_q = row_q / piv
+        col_q = tl.sum(tl.where(ci == q, a, 0.0), axis=1)
+        a = tl.where(ri == q, row_q[None, :], a - col_q[:, None] * row_q[None, :])
+        x = tl.where(lane == q, x_q, x - col_q * x_q)
+    return tl.where(free_r, x, 0.0)
+
+
+@triton.jit
+def soft_topk_forward_kernel(u_ptr, valid_ptr, tz_ptr, shift_ptr, c_ptr, mact_ptr, out_ptr, info_ptr,
+                             n, k, tol, max_iter, max_halvings,
+                             HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    lane = tl.arange(0, MP)
+    m_act = tl.load(mact_ptr + row)
+    c = tl.load(c_ptr + row * MP + lane)
+    tz = tl.load(tz_ptr + row * MP + lane)
+    s, ppt, err = _evaluate(u_ptr, valid_ptr, row, n, tz, m_act, c, HAS_MASK, MP, BLOCK_N)
+    # Second starting point (thresholds shifted by log c): kept if it fits the masses better.
+    if err > 0.05:
+        tz2 = tz + tl.load(shift_ptr + row * MP + lane)
+        s2, ppt2, err2 = _evaluate(u_ptr, valid_ptr, row, n, tz2, m_act, c, HAS_MASK, MP, BLOCK_N)
+        if err2 < err:
+            tz, s, ppt, err = tz2, s2, ppt2, err2
+    it = tl.full((), 0, tl.int32)
+    going = err > tol
+    while going & (it < max_iter):
+        dh = _solve_free(s, ppt, c - s, m_act, MP)
+        # dt_l = dh_{l+1} - dh_l, stored shifted: dtz[l] = dh_l - dh_{l-1}.
+        dh_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, dh[None, :], 0.0), axis=1)
+        dtz = tl.where((lane >= 1) & (lane < m_act), dh - dh_prev, 0.0)
+        alpha = tl.full((), 1.0, tl.float32)
+        tries = tl.full((), 0, tl.int32)
+        accepted = tl.full((), 0, tl.int32)
+        while (accepted == 0) & (tries < max_halvings):
+            tz_t = tz + alpha * dtz
+            s_t, ppt_t, err_t = _evaluate(u_ptr, valid_ptr, row, n, tz_t, m_act, c, HAS_MASK, MP, BLOCK_N)
+            take = (err_t < err) | (err_t <= tol)
+            tz = tl.where(take, tz_t, tz)
+            s = tl.where(take, s_t, s)
+            ppt = tl.where(take, ppt_t, ppt)
+            err = tl.where(take, err_t, err)
+            accepted = tl.where(take, 1, accepted)
+            alpha = alpha * 0.5
+            tries += 1
+        it += 1
+        going = (err > tol) & (accepted == 1)  # no halved step helped: the row's rounding floor
+    tl.store(info_ptr + row * 2, it.to(tl.float32))
+    tl.store(info_ptr + row * 2 + 1, err)
+    for start in range(0, n, BLOCK_N):
+        p = _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK, MP, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if SORTED:
+            ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
+            tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
+        else:
+            p0 = tl.sum(tl.where(lane[None, :] == 0, p, 0.0), axis=1)
+            tl.store(out_ptr + row * n + offs_n, p0, mask=offs_n < n)
+
+
+@triton.jit
+def _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK: tl.constexpr,
+                 SORTED: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plan tile rebuilt from the output (rest column = 1 - taken) and the upstream gradient tile."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    in_row = offs_n < n
+    keep = in_row
+    if HAS_MASK:
+        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=in_row, other=0) != 0)
+    lane = tl.arange(0, MP)
+    if SORTED:
+        cols = lane[None, :] < k
+        m2 = keep[:, None] & cols
+        p = tl.load(out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
+        g = tl.load(g_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
+        n_taken = k
+    else:
+        m2 = keep[:, None] & (lane[None, :] == 0)
+        p = tl.load(out_ptr + row * n + offs_n[:, None] + lane[None, :] * 0, mask=m2, other=0.0)
+        g = tl.load(g_ptr + row * n + offs_n[:, None] + lane[None, :] * 0, mask=m2, other=0.0)
+        n_taken = 1
+    rest = tl.maximum(1.0 - tl.sum(p, axis=1), 0.0)
+    p = tl.where((lane[None, :] == n_taken) & keep[:, None] & (rest_on != 0), rest[:, None], p)
+    return p, g, keep
+
+
+@triton.jit
+def soft_topk_backward_kernel(out_ptr, g_ptr, valid_ptr, y_ptr, mact_ptr, restc_ptr, eps_ptr, grad_ptr,
+                              n, k, HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    lane = tl.arange(0, MP)
+    m_act = tl.load(mact_ptr + row)
+    rest_on = tl.load(restc_ptr + row)
+    y = tl.load(y_ptr + lane)
+    s = tl.zeros((MP,), dtype=tl.float32)
+    v = tl.zeros((MP,), dtype=tl.float32)
+    ppt = tl.zeros((MP, MP), dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        p, g, keep = _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, SORTED,
+                                  MP, BLOCK_N)
+        g_bar = tl.sum(p * g, axis=1)
+        v += tl.sum(p * (g - g_bar[:, None]), axis=0)
+        s += tl.sum(p, axis=0)
+        ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
+    w = _solve_free(s, ppt, v, m_act, MP)
+    inv_eps = 1.0 / tl.load(eps_ptr + row)
+    for start in range(0, n, BLOCK_N):
+        p, g, keep = _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, SORTED,
+                                  MP, BLOCK_N)
+        y_bar = tl.sum(p * y[None, :], axis=1)
+        grad = tl.sum(p * (y[None, :] - y_bar[:, None]) * (g - w[None, :]), axis=1) * inv_eps
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tl.store(grad_ptr + row * n + offs_n, tl.where(keep, grad, 0.0), mask=offs_n < n)
+
+
+def padded_anchors(m: int) -> int:
+    return max(2, triton.next_power_of_2(m))
+
+
+def block_n(n: int, mp: int) -> int:
+    """Elements per streamed block: keep the (BLOCK_N, MP, MP) outer-product tile around 16K values."""
+    return max(16, min(triton.next_power_of_2(n), 16384 // (mp * mp)))
+
+
+def forward(u, valid, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8):
+    """Launch the fused forward. Shapes: u, valid (rows, n); tz, shift, c (rows, MP); m_act (rows,)."""
+    rows, n = u.shape
+    mp = tz.shape[-1]
+    out = torch.empty((rows, n, k) if sorted else (rows, n), dtype=torch.float32, device=u.device)
+    info = torch.empty((rows, 2), dtype=torch.float32, device=u.device)
+    has_mask = valid is not None
+    soft_topk_forward_kernel[(rows,)](
+        u, valid if has_mask else u, tz, shift, c, m_act, out, info, n, k, float(tol), int(max_iter),
+        int(max_halvings), HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block_n(n, mp))
+    return out, info
+
+
+def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
+    """Launch the fused backward; returns dL/dx (rows, n) for the normalised problem divided by eps."""
+    rows, n = valid.shape if valid is not None else out.shape[:2]
+    mp = y.shape[-1]
+    grad = torch.empty((rows, n), dtype=torch.float32, device=out.device)
+    has_mask = valid is not None
+    soft_topk_backward_kernel[(rows,)](
+        out, grad_out, valid if has_mask else out, y, m_act, rest_on, eps, grad, n, k,
+        HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block_n(n, mp))
+    return grad
