@@ -333,15 +333,15 @@ class SoftTopK(nn.Module):
 
     def __init__(self, k: int, epsilon: float = 0.1, *, dim: int = -1, sorted: bool = False,
                  largest: bool = True, scaling: str = "none", tol: Optional[float] = None,
-                 max_iter: Optional[int] = None, method: str = "newton"):
+                 max_iter: Optional[int] = None, method: str = "newton", backend: str = "auto"):
         super().__init__()
         self.k, self.epsilon, self.dim, self.sorted, self.largest = k, epsilon, dim, sorted, largest
-        self.scaling, self.tol, self.max_iter, self.method = scaling, tol, max_iter, method
+        self.scaling, self.tol, self.max_iter, self.method, self.backend = scaling, tol, max_iter, method, backend
 
     def forward(self, scores: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         return soft_topk(scores, self.k, dim=self.dim, epsilon=self.epsilon, sorted=self.sorted,
                          largest=self.largest, mask=mask, scaling=self.scaling, tol=self.tol,
-                         max_iter=self.max_iter, method=self.method)
+                         max_iter=self.max_iter, method=self.method, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, epsilon={self.epsilon}, sorted={self.sorted}, largest={self.largest}"

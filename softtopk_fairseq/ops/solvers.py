@@ -39,6 +39,11 @@ Tensor = torch.Tensor
 # exp(-SATURATION) is below float64 resolution relative to 1: an element that far (in units of eps)
 # past a boundary sits entirely on one side of it.
 SATURATION = 40.0
+# Largest change of an anchor potential in one Newton step (see newton_semi_dual).
+MAX_STEP = 2.0
+# Marginal error below which a row that two halved steps cannot improve is taken as converged as far as
+# its floating-point precision allows.
+NEAR_FLOOR = 1e-4
 # Largest logit difference between consecutive anchors kept as is (see _plan): exp(-64) ~ 1.6e-28.
 LOGIT_CLAMP = 64.0
 
@@ -221,18 +226,23 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
             a_mask = None if a_mask is None else a_mask[keep]
             a_t, a_p, a_s, a_err = a_t[keep], a_p[keep], a_s[keep], a_err[keep]
         step = hessian_solve(a_p, a_s, a_free, a_c - a_s)
-        alpha = torch.ones(len(act), 1, dtype=u.dtype, device=u.device)
+        # Trust region: no potential moves by more than MAX_STEP (anchor masses change by at most
+        # e^MAX_STEP) -- far from the optimum the full Newton step overshoots; near it, it is small.
+        alpha = (MAX_STEP / step.abs().amax(-1, keepdim=True).clamp_min(MAX_STEP)).to(u.dtype)
         accepted = torch.zeros(len(act), dtype=torch.bool, device=u.device)
         # A Newton step dh on the potentials moves threshold t_l by dh_{l+1} - dh_l.
         step_t = step[:, 1:] - step[:, :-1]
         new = (a_t, a_p, a_s, a_err)
-        for _ in range(max_halvings):
+        settled = accepted
+        for tries in range(max_halvings):
             trial_t = a_t + alpha * step_t
             trial = (trial_t, *evaluate(trial_t, a_u, a_mask, a_c))
             ok = ~accepted & ((trial[3] < a_err) | (trial[3] <= tol))
             new = tuple(_pick(ok, t, o) for t, o in zip(trial, new))
             accepted = accepted | ok
-            if bool(accepted.all()):
+            # Near convergence, two failed halvings mean the row sits at its float rounding floor.
+            settled = accepted | ((a_err < NEAR_FLOOR) & (tries >= 1))
+            if bool(settled.all()):
                 break
             alpha = torch.where(accepted.unsqueeze(-1), alpha, alpha * 0.5)
         a_t, a_p, a_s, a_err = new

@@ -40,7 +40,7 @@ def _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK: tl.constexp
     zmax = tl.max(z, axis=1)
     zmax = tl.where(zmax == float("-inf"), 0.0, zmax)  # rows with no active anchor: no -inf - -inf
     e = tl.exp(z - zmax[:, None])
-    p = e / tl.sum(e, axis=1)[:, None]
+    p = e / tl.maximum(tl.sum(e, axis=1), 1.0)[:, None]  # the sum is >= 1 (the max term) unless no anchor
     return tl.where(keep[:, None], p, 0.0)
 
 
@@ -110,7 +110,8 @@ def soft_topk_forward_kernel(u_ptr, valid_ptr, tz_ptr, shift_ptr, c_ptr, mact_pt
         alpha = tl.full((), 1.0, tl.float32)
         tries = tl.full((), 0, tl.int32)
         accepted = tl.full((), 0, tl.int32)
-        while (accepted == 0) & (tries < max_halvings):
+        # Near convergence (error < 1e-4, NEAR_FLOOR in solvers.py), two failed halvings mean a rounding floor.
+        while (accepted == 0) & (tries < max_halvings) & ((err >= 1e-4) | (tries < 2)):
             tz_t = tz + alpha * dtz
             s_t, ppt_t, err_t = _evaluate(u_ptr, valid_ptr, row, n, tz_t, m_act, c, HAS_MASK, MP, BLOCK_N)
             take = (err_t < err) | (err_t <= tol)
