@@ -44,6 +44,8 @@ MAX_STEP = 2.0
 # Marginal error below which a row that two halved steps cannot improve is taken as converged as far as
 # its floating-point precision allows.
 NEAR_FLOOR = 1e-4
+# Up to this |u| (scores within 16 eps of the k-th largest) the plan's logits are formed directly.
+DIRECT_LOGITS_MAX_U = 16.0
 # Largest logit difference between consecutive anchors kept as is (see _plan): exp(-64) ~ 1.6e-28.
 LOGIT_CLAMP = 64.0
 
@@ -84,6 +86,22 @@ def _plan(u: Tensor, valid: Optional[Tensor], t: Tensor) -> Tensor:
     below float64 resolution) and a huge term would wipe out the small ones after it in the running sum.
     """
     rows, n = u.shape
+    if not u.requires_grad and bool(u.abs().amax() <= DIRECT_LOGITS_MAX_U) if u.numel() else False:
+        # Small |u|: the direct form u_i y_l + h_l loses nothing and is a single fused op.
+        m = t.shape[-1] + 1
+        y = torch.arange(m - 1, -1, -1, dtype=u.dtype, device=u.device) - (m - 1) / 2
+        # h_l = -sum_{j >= l} t_j (the last active anchor is pinned at 0); inactive anchors (after the
+        # first -inf threshold) get -inf.
+        off = torch.isneginf(t)
+        tf = torch.where(off, torch.zeros_like(t), t)
+        h = torch.cat([-torch.flip(torch.cumsum(torch.flip(tf, [-1]), -1), [-1]), t.new_zeros(rows, 1)], -1)
+        active = torch.cat([torch.ones_like(off[:, :1]), ~off], -1)
+        h = torch.where(active, h, torch.full_like(h, -torch.inf))
+        logits = torch.addcmul(h.unsqueeze(-1), y.view(1, m, 1), u.unsqueeze(-2))
+        p = torch.softmax(logits, dim=-2)
+        if valid is None:
+            return p
+        return torch.where(valid.unsqueeze(-2), p, torch.zeros((), dtype=p.dtype, device=p.device))
     diffs = (t.unsqueeze(-1) - u.unsqueeze(-2)).clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)  # (rows, m-1, n)
     off = torch.isneginf(t)
     if bool(off.any()):
