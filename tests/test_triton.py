@@ -103,3 +103,12 @@ def test_kernels_compile_for_sm80_and_sm90():
     out = subprocess.run([sys.executable, "-c", COMPILE, "80", "90"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.count("compiled") == 8
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error():
+    code = ("import torch\nfrom softtopk_fairseq.ops import soft_topk\n"
+            "try:\n    soft_topk(torch.randn(2, 5), 2, backend='triton')\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "needs CUDA tensors" in out.stdout, out.stderr[-2000:]

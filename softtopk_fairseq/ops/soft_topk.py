@@ -32,6 +32,7 @@ is all zeros. NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``epsilon <= 0`` a
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
 import math
+import os
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -88,9 +89,9 @@ def _check_scores(x: Tensor, valid: Tensor) -> None:
                          "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
 
 
-def _triton_inputs(u: Tensor, valid: Tensor, c: Tensor, y: Tensor):
-    """Padded per-row inputs of the Triton kernels: shifted initial thresholds, their log-c shift,
-    target masses, number of active anchors, padded anchors, validity mask (None if nothing masked)."""
+def _triton_inputs(u: Tensor, valid: Tensor, c: Tensor):
+    """Padded per-row inputs of the Triton forward: shifted initial thresholds, their log-c shift, target
+    masses, number of active anchors, validity mask (None if nothing masked)."""
     from softtopk_fairseq.ops import triton_kernels
 
     rows, m = c.shape
@@ -103,17 +104,17 @@ def _triton_inputs(u: Tensor, valid: Tensor, c: Tensor, y: Tensor):
     shift[:, 1:m] = torch.where(c[:, 1:] > 0, log_c[:, 1:] - log_c[:, :-1], torch.zeros_like(t))
     c_pad = u.new_zeros(rows, mp)
     c_pad[:, :m] = c
-    y_pad = u.new_zeros(mp)
-    y_pad[:m] = y
     m_act = (c > 0).sum(-1).to(torch.int32)
     mask = None if bool(valid.all()) else valid.contiguous()
-    return tz, shift, c_pad, m_act, y_pad, mask
+    return tz, shift, c_pad, m_act, mask
 
 
 def _use_triton(x: Tensor, method: str, backend: str) -> bool:
     if backend == "torch" or method != "newton":
         return False
     if backend == "triton":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("soft_topk: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1, for tests)")
         return True
     return x.is_cuda and x.dtype == torch.float32 and _triton_available()
 
@@ -137,7 +138,7 @@ def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, t
 
         if x.dtype != torch.float32:
             raise ValueError("soft_topk: the Triton kernels compute in float32; use backend='torch' for float64")
-        tz, shift, c_pad, m_act, _, mask = _triton_inputs(u, valid, c, y)
+        tz, shift, c_pad, m_act, mask = _triton_inputs(u, valid, c)
         return triton_kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
     if method == "newton":
         p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter)

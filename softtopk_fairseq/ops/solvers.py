@@ -73,45 +73,43 @@ def anchor_targets(n_valid: Tensor, k: int, sorted: bool, dtype: torch.dtype) ->
     return y, c
 
 
-def _plan(u: Tensor, valid: Optional[Tensor], t: Tensor) -> Tensor:
-    """P (rows, m, n) from the thresholds ``t`` (rows, m-1); zero columns for masked elements
-    (``valid=None``: nothing is masked).
+def _logits(u: Tensor, t: Tensor) -> Tensor:
+    """Logits z (rows, m, n) of the plan for thresholds ``t`` (rows, m-1), ``t_l = h_{l+1} - h_l``.
 
-    Consecutive anchors are one unit apart, so ``z_{i,l+1} - z_{il} = t_l - u_i`` with the threshold
-    ``t_l = h_{l+1} - h_l``: the logits are built as running sums of these differences. Forming
-    ``u_i y_l + h_l`` directly would cancel catastrophically once ``|u|`` is large (scores far apart in
-    units of eps), while ``t_l - u_i`` is exact for the elements near a threshold -- the ones that matter.
-    ``t_l = -inf`` switches anchor ``l + 1`` (and every later one) off. Each difference is clamped to
-    +-LOGIT_CLAMP first: beyond that an anchor is saturated (weight < 2e-28 relative to its neighbour,
-    below float64 resolution) and a huge term would wipe out the small ones after it in the running sum.
+    Consecutive anchors are one unit apart, so ``z_{i,l+1} - z_{il} = t_l - u_i``. When every ``|u_i|`` is
+    small the direct form ``u_i y_l + h_l`` is exact enough and a single fused op. Otherwise the logits are
+    running sums of the differences ``t_l - u_i``: forming ``u_i y_l + h_l`` would cancel catastrophically
+    once ``|u|`` is large (scores far apart in units of eps), while ``t_l - u_i`` is exact for the elements
+    near a threshold -- the ones that matter. Each difference is clamped to +-LOGIT_CLAMP: beyond that an
+    anchor is saturated (weight < 2e-28 relative to its neighbour, below float64 resolution) and a huge
+    term would wipe out the small ones after it in the running sum. ``t_l = -inf`` switches anchor
+    ``l + 1`` (and every later one) off.
     """
     rows, n = u.shape
-    if not u.requires_grad and bool(u.abs().amax() <= DIRECT_LOGITS_MAX_U) if u.numel() else False:
-        # Small |u|: the direct form u_i y_l + h_l loses nothing and is a single fused op.
-        m = t.shape[-1] + 1
+    m = t.shape[-1] + 1
+    off = torch.isneginf(t)
+    direct = u.numel() > 0 and not u.requires_grad and bool(u.abs().amax() <= DIRECT_LOGITS_MAX_U)
+    if direct:
         y = torch.arange(m - 1, -1, -1, dtype=u.dtype, device=u.device) - (m - 1) / 2
-        # h_l = -sum_{j >= l} t_j (the last active anchor is pinned at 0); inactive anchors (after the
-        # first -inf threshold) get -inf.
-        off = torch.isneginf(t)
+        # h_l = -sum_{j >= l} t_j (the last active anchor pinned at 0); -inf after the first -inf threshold.
         tf = torch.where(off, torch.zeros_like(t), t)
         h = torch.cat([-torch.flip(torch.cumsum(torch.flip(tf, [-1]), -1), [-1]), t.new_zeros(rows, 1)], -1)
         active = torch.cat([torch.ones_like(off[:, :1]), ~off], -1)
         h = torch.where(active, h, torch.full_like(h, -torch.inf))
-        logits = torch.addcmul(h.unsqueeze(-1), y.view(1, m, 1), u.unsqueeze(-2))
-        p = torch.softmax(logits, dim=-2)
-        if valid is None:
-            return p
-        return torch.where(valid.unsqueeze(-2), p, torch.zeros((), dtype=p.dtype, device=p.device))
+        return torch.addcmul(h.unsqueeze(-1), y.view(1, m, 1), u.unsqueeze(-2))
     diffs = (t.unsqueeze(-1) - u.unsqueeze(-2)).clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)  # (rows, m-1, n)
-    off = torch.isneginf(t)
     if bool(off.any()):
         diffs.masked_fill_(off.unsqueeze(-1), -torch.inf)
     if diffs.requires_grad:  # the unrolled-Sinkhorn reference differentiates through this
-        logits = torch.cat([u.new_zeros(rows, 1, n), torch.cumsum(diffs, dim=-2)], dim=-2)
-    else:  # anchor 0 has logit 0: write the running sums after it, no concatenation copy
-        logits = u.new_zeros(rows, t.shape[-1] + 1, n)
-        torch.cumsum(diffs, dim=-2, out=logits[:, 1:])
-    p = torch.softmax(logits, dim=-2)
+        return torch.cat([u.new_zeros(rows, 1, n), torch.cumsum(diffs, dim=-2)], dim=-2)
+    logits = u.new_zeros(rows, m, n)  # anchor 0 has logit 0: the running sums go after it, no copy
+    torch.cumsum(diffs, dim=-2, out=logits[:, 1:])
+    return logits
+
+
+def _plan(u: Tensor, valid: Optional[Tensor], t: Tensor) -> Tensor:
+    """P (rows, m, n) for thresholds ``t``; zero columns for masked elements (``valid=None``: none)."""
+    p = torch.softmax(_logits(u, t), dim=-2)
     if valid is None:
         return p
     return torch.where(valid.unsqueeze(-2), p, torch.zeros((), dtype=p.dtype, device=p.device))
