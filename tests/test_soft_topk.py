@@ -188,7 +188,8 @@ def test_sorted_and_unsorted_agree_as_epsilon_goes_to_zero():
     for eps in (0.05, 0.01):
         s = soft_topk(x, 6, epsilon=eps, sorted=True).sum(-1)
         a = soft_topk(x, 6, epsilon=eps)
-        assert (s - a).abs().max() < 50 * torch.exp(torch.tensor(-1 / eps))
+        # exp(-1/eps) from the entropic bias; 2e-28 is the sorted solver's saturation floor (LOGIT_CLAMP).
+        assert (s - a).abs().max() < 50 * torch.exp(torch.tensor(-1 / eps)) + 2e-28
 
 
 def test_ties_split_mass_evenly():

@@ -42,3 +42,18 @@ def implicit_grad(p: Tensor, grad_p: Tensor, y: Tensor, c: Tensor) -> Tensor:
     coeffs = torch.stack([y.expand(rows, m), w * y, w], dim=-2)    # (rows, 3, m)
     y_bar, yw, pw = (coeffs @ p).unbind(-2)                        # (rows, n) each
     return yg - y_bar * g_bar - yw + y_bar * pw
+
+
+def sigmoid_grad(a: Tensor, grad_a: Tensor, valid: Tensor) -> Tensor:
+    r"""dL/du for the unsorted operator :math:`A_i = \sigma(u_i - \tau)`, :math:`\sum_i A_i = k`.
+
+    The general formula above with two anchors: with :math:`a_i = A_i(1 - A_i)`,
+
+    .. math::  \frac{\partial L}{\partial u_i} = a_i \Big(G_i - \frac{\sum_j G_j a_j}{\sum_j a_j}\Big)
+
+    (the second term is :math:`d\tau/du`'s contribution). Rows whose entries are all saturated have
+    :math:`\sum_j a_j = 0` and a zero gradient; masked entries have :math:`a_i = 0`.
+    """
+    w = torch.where(valid, a * (1 - a), torch.zeros_like(a))
+    mean_g = (grad_a * w).sum(-1, keepdim=True) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+    return w * (grad_a - mean_g)

@@ -140,6 +140,8 @@ def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, t
             raise ValueError("soft_topk: the Triton kernels compute in float32; use backend='torch' for float64")
         tz, shift, c_pad, m_act, mask = _triton_inputs(u, valid, c)
         return triton_kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
+    if method == "newton" and not sorted:
+        return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter)
     if method == "newton":
         p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter)
     else:
@@ -179,6 +181,8 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
         mask = None if bool(valid.all()) else valid.contiguous()
         grad_x = triton_kernels.backward(out.contiguous(), grad_out.contiguous(), mask, y_pad, m_act, rest_on,
                                          eps.contiguous(), k, sorted)
+    elif not sorted:
+        grad_x = _backward.sigmoid_grad(out, grad_out, valid) / eps.unsqueeze(-1)
     else:
         p, y, c = _plan_from_output(out, valid, k, sorted)
         grad_taken = grad_out.transpose(-1, -2) if sorted else grad_out.unsqueeze(-2)

@@ -276,6 +276,66 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
     return p, torch.stack([iters, err], dim=-1)
 
 
+def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: int) -> Tuple[Tensor, Tensor]:
+    r"""The unsorted operator directly: :math:`A_i = \sigma(u_i - \tau)` with :math:`\sum_i A_i = k`.
+
+    With two anchors the plan's first column is this sigmoid (``_plan`` with ``m = 2``), so the problem is
+    one monotone root per row. Safeguarded Newton: :math:`f(\tau) = \sum_i \sigma(u_i - \tau) - k`,
+    :math:`f' = -\sum_i a_i` with :math:`a = A(1 - A)`, inside the bracket
+    :math:`[u_{\min} - L, u_{\max} - L]`, :math:`L = \log(k / (n - k))` (where :math:`f \ge 0` and
+    :math:`\le 0`), bisecting whenever a step leaves it. Rows with ``n_valid <= k`` are all ones.
+    Returns ``(A, info)`` with info = (iterations, relative mass error) per row, as the other solvers.
+    """
+    rows, n = u.shape
+    n_valid = valid.sum(-1)
+    nv = n_valid.to(u.dtype)
+    solve = n_valid > k
+    kk = min(n, k + 1)
+    neg_inf = torch.full((), -torch.inf, dtype=u.dtype, device=u.device)
+    top = torch.topk(torch.where(valid, u, neg_inf), kk, dim=-1).values
+    lead = torch.log(torch.tensor(float(k), dtype=u.dtype, device=u.device)) - torch.log((nv - k).clamp_min(1))
+    u_max = top[:, 0]
+    u_min = torch.where(valid, u, torch.full_like(u, torch.inf)).amin(-1)
+    lo = torch.where(solve, u_min - lead, torch.zeros_like(lead))
+    hi = torch.where(solve, u_max - lead, torch.zeros_like(lead))
+    # Start: halfway between the k-th and (k+1)-th largest, or the same shifted by log((n-k)/k).
+    tau = 0.5 * (top[:, k - 1] + top[:, min(k, kk - 1)]) if kk > k else torch.zeros_like(lead)
+    tau = torch.where(solve, torch.nan_to_num(tau, nan=0.0, posinf=0.0, neginf=0.0), torch.zeros_like(tau))
+    scale = torch.minimum(torch.full_like(nv, float(k)), nv - k).clamp_min(1)
+
+    def evaluate(tau):
+        a = torch.where(valid, torch.sigmoid(u - tau.unsqueeze(-1)), torch.zeros_like(u))
+        f = a.sum(-1) - k
+        return a, f, (f.abs() / scale).masked_fill(~solve, 0.0)
+
+    a, f, err = evaluate(tau)
+    tau2 = tau - lead
+    a2, f2, err2 = evaluate(tau2)
+    better = err2 < err
+    tau, a, f, err = (_pick(better, x2, x1) for x2, x1 in ((tau2, tau), (a2, a), (f2, f), (err2, err)))
+    iters = torch.zeros(rows, dtype=u.dtype, device=u.device)
+    done = err <= tol
+    for _ in range(max_iter):
+        todo = ~done
+        if not bool(todo.any()):
+            break
+        lo = torch.where(f > 0, torch.maximum(lo, tau), lo)   # f decreases in tau: the root is above
+        hi = torch.where(f < 0, torch.minimum(hi, tau), hi)
+        slope = (a * (1 - a)).sum(-1)
+        step = tau + f / slope.clamp_min(torch.finfo(u.dtype).tiny)
+        inside = (step > lo) & (step < hi) & torch.isfinite(step)
+        new_tau = torch.where(inside, step, 0.5 * (lo + hi))
+        new_tau = torch.where(todo, new_tau, tau)
+        new_a, new_f, new_err = evaluate(new_tau)
+        # A row whose step no longer moves tau sits at its rounding floor: it stops there.
+        stuck = todo & (new_tau == tau)
+        tau, a, f, err = new_tau, new_a, new_f, new_err
+        iters = iters + todo.to(u.dtype)
+        done = done | (err <= tol) | stuck
+    a = torch.where((~solve).unsqueeze(-1), valid.to(u.dtype), a)
+    return a, torch.stack([iters, err], dim=-1)
+
+
 def _thresholds(h: Tensor) -> Tensor:
     """t_l = h_{l+1} - h_l, -inf where anchor l+1 is inactive (h = -inf)."""
     return torch.where(torch.isfinite(h[:, 1:]), h[:, 1:] - h[:, :-1], torch.full_like(h[:, 1:], -torch.inf))
