@@ -156,10 +156,10 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
 
-def _plan_from_output(out: Tensor, valid: Tensor, k: int, sorted: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """Rebuild the full plan P (rows, m, n), anchors and masses from the operator's output."""
-    y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, out.dtype)
-    taken = out.transpose(-1, -2) if sorted else out.unsqueeze(-2)   # (rows, k or 1, n)
+def _plan_from_output(out: Tensor, valid: Tensor, k: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Rebuild the full sorted plan P (rows, k+1, n), anchors and masses from the output (rows, n, k)."""
+    y, c = solvers.anchor_targets(valid.sum(-1), k, True, out.dtype)
+    taken = out.transpose(-1, -2)                                     # (rows, k, n)
     rest = (1 - taken.sum(-2, keepdim=True)).clamp_min(0)
     rest = torch.where((c[:, -1:] > 0).unsqueeze(-1), rest, torch.zeros_like(rest))
     p = torch.cat([taken, rest], dim=-2) * valid.unsqueeze(-2).to(out.dtype)
@@ -184,8 +184,8 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
     elif not sorted:
         grad_x = _backward.sigmoid_grad(out, grad_out, valid) / eps.unsqueeze(-1)
     else:
-        p, y, c = _plan_from_output(out, valid, k, sorted)
-        grad_taken = grad_out.transpose(-1, -2) if sorted else grad_out.unsqueeze(-2)
+        p, y, c = _plan_from_output(out, valid, k)
+        grad_taken = grad_out.transpose(-1, -2)
         grad_p = torch.cat([grad_taken, torch.zeros_like(grad_taken[:, :1])], dim=-2)
         grad_u = _backward.implicit_grad(p, grad_p, y, c)
         grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
