@@ -27,20 +27,25 @@ from softtopk_fairseq.ops.solvers import free_anchors, hessian_solve
 Tensor = torch.Tensor
 
 
-def implicit_grad(p: Tensor, grad_p: Tensor, y: Tensor, c: Tensor) -> Tensor:
-    """dL/du (rows, n) from the converged plan ``p`` and ``grad_p`` = dL/dP, both anchors-first (rows, m, n).
+def implicit_grad(taken: Tensor, rest: Tensor, grad_taken: Tensor, y: Tensor, c: Tensor) -> Tensor:
+    """dL/du (rows, n) for the sorted plan given as its rank columns ``taken`` (rows, k, n) and its rest
+    column ``rest`` (rows, n); ``grad_taken`` = dL/dP on the rank columns (the rest column is not returned,
+    so its gradient is 0).
 
-    Expanded so that every O(n m) step is a contraction over the anchors (a batched mat-vec):
+    The rest anchor is never free (it is the pinned anchor, or inactive in rows with ``n_valid <= k``), so
+    ``w`` and the Hessian live on the ranks only, and every O(nk) step is a contraction over the ranks:
     ``grad_i = sum_l P G y - ybar Gbar - sum_l P y w + ybar sum_l P w``.
     """
-    rows, m, n = p.shape
-    pg = p * grad_p
-    ones_y = torch.stack([torch.ones_like(y), y]).expand(rows, 2, m)
-    g_bar, yg = (ones_y @ pg).unbind(-2)                           # sum_l P G, sum_l P G y   (rows, n)
-    v = pg.sum(-1) - (p @ g_bar.unsqueeze(-1)).squeeze(-1)         # (rows, m)
-    w = hessian_solve(p, p.sum(-1), free_anchors(c), v)           # (rows, m)
-    coeffs = torch.stack([y.expand(rows, m), w * y, w], dim=-2)    # (rows, 3, m)
-    y_bar, yw, pw = (coeffs @ p).unbind(-2)                        # (rows, n) each
+    rows, k, n = taken.shape
+    y_rank, y_rest = y[:k], y[k]
+    pg = taken * grad_taken
+    ones_y = torch.stack([torch.ones_like(y_rank), y_rank]).expand(rows, 2, k)
+    g_bar, yg = (ones_y @ pg).unbind(-2)                               # (rows, n) each
+    v = pg.sum(-1) - (taken @ g_bar.unsqueeze(-1)).squeeze(-1)          # (rows, k)
+    w = hessian_solve(taken, taken.sum(-1), free_anchors(c)[:, :k], v)  # (rows, k)
+    coeffs = torch.stack([y_rank.expand(rows, k), w * y_rank, w], dim=-2)
+    y_bar, yw, pw = (coeffs @ taken).unbind(-2)
+    y_bar = y_bar + y_rest * rest
     return yg - y_bar * g_bar - yw + y_bar * pw
 
 

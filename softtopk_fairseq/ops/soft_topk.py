@@ -156,16 +156,6 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
 
-def _plan_from_output(out: Tensor, valid: Tensor, k: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Rebuild the full sorted plan P (rows, k+1, n), anchors and masses from the output (rows, n, k)."""
-    y, c = solvers.anchor_targets(valid.sum(-1), k, True, out.dtype)
-    taken = out.transpose(-1, -2)                                     # (rows, k, n)
-    rest = (1 - taken.sum(-2, keepdim=True)).clamp_min(0)
-    rest = torch.where((c[:, -1:] > 0).unsqueeze(-1), rest, torch.zeros_like(rest))
-    p = torch.cat([taken, rest], dim=-2) * valid.unsqueeze(-2).to(out.dtype)
-    return p, y, c
-
-
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
                            sorted: bool, backend: str) -> Tuple[Tensor, Tensor]:
@@ -184,10 +174,11 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
     elif not sorted:
         grad_x = _backward.sigmoid_grad(out, grad_out, valid) / eps.unsqueeze(-1)
     else:
-        p, y, c = _plan_from_output(out, valid, k)
-        grad_taken = grad_out.transpose(-1, -2)
-        grad_p = torch.cat([grad_taken, torch.zeros_like(grad_taken[:, :1])], dim=-2)
-        grad_u = _backward.implicit_grad(p, grad_p, y, c)
+        y, c = solvers.anchor_targets(valid.sum(-1), k, True, out.dtype)
+        vf = valid.to(out.dtype)
+        taken = out.transpose(-1, -2) * vf.unsqueeze(-2)                 # (rows, k, n)
+        rest = (1 - taken.sum(-2)).clamp_min(0) * vf * (c[:, -1:] > 0).to(out.dtype)
+        grad_u = _backward.implicit_grad(taken, rest, grad_out.transpose(-1, -2), y, c)
         grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
     # The output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps (any shift of x cancels,
     # since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate).
