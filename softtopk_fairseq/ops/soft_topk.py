@@ -99,9 +99,8 @@ def _triton_inputs(u: Tensor, valid: Tensor, c: Tensor):
     t = solvers.initial_thresholds(u, valid, c)
     tz = u.new_zeros(rows, mp)
     tz[:, 1:m] = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-    log_c = torch.log(c.clamp_min(torch.finfo(u.dtype).tiny))
     shift = u.new_zeros(rows, mp)
-    shift[:, 1:m] = torch.where(c[:, 1:] > 0, log_c[:, 1:] - log_c[:, :-1], torch.zeros_like(t))
+    shift[:, 1:m] = solvers.log_mass_shift(c)
     c_pad = u.new_zeros(rows, mp)
     c_pad[:, :m] = c
     m_act = (c > 0).sum(-1).to(torch.int32)

@@ -50,27 +50,33 @@ DIRECT_LOGITS_MAX_U = 16.0
 LOGIT_CLAMP = 64.0
 
 
+def centred_anchors(m: int, dtype: torch.dtype, device) -> Tensor:
+    """Anchors ``m-1, ..., 1, 0`` one unit apart, shifted to be centred on 0 (the plan is invariant to the
+    shift, u_i * shift being constant across anchors; centring keeps the logits small in float32)."""
+    return torch.arange(m - 1, -1, -1, dtype=dtype, device=device) - (m - 1) / 2
+
+
+def log_mass_shift(c: Tensor) -> Tensor:
+    """Threshold shift (rows, m-1) that multiplies each anchor's weight by its target mass: adding
+    ``log c_{l+1} - log c_l`` to ``t_l`` adds ``log c_l`` to ``h_l``; 0 where anchor ``l+1`` is inactive."""
+    log_c = torch.log(c.clamp_min(torch.finfo(c.dtype).tiny))
+    return torch.where(c[:, 1:] > 0, log_c[:, 1:] - log_c[:, :-1], torch.zeros_like(c[:, 1:]))
+
+
 def anchor_targets(n_valid: Tensor, k: int, sorted: bool, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """Anchors ``y`` (m,) and per-row target masses ``c`` (rows, m); an anchor with ``c == 0`` is inactive.
 
-    The anchors are centred on 0 (the plan is invariant to shifting them, u_i * shift being constant
-    across anchors) to keep the logits small in float32.
+    The anchors are :func:`centred_anchors`.
     """
     device = n_valid.device
     nv = n_valid.to(dtype).unsqueeze(-1)
     if sorted:
-        m = k + 1
-        y = torch.arange(k, -1, -1, device=device, dtype=dtype) - k / 2
         ranks = torch.arange(k, device=device, dtype=dtype)
         c_rank = (ranks < nv).to(dtype)                        # rank l is reachable iff l < n_valid
-        c_rest = (nv - k).clamp_min(0)
-        c = torch.cat([c_rank, c_rest], dim=-1)
+        c = torch.cat([c_rank, (nv - k).clamp_min(0)], dim=-1)
     else:
-        m = 2
-        y = torch.tensor([0.5, -0.5], device=device, dtype=dtype)
         c = torch.cat([nv.clamp_max(k), (nv - k).clamp_min(0)], dim=-1)
-    assert c.shape[-1] == m
-    return y, c
+    return centred_anchors(c.shape[-1], dtype, device), c
 
 
 def _logits(u: Tensor, t: Tensor) -> Tensor:
@@ -90,7 +96,7 @@ def _logits(u: Tensor, t: Tensor) -> Tensor:
     off = torch.isneginf(t)
     direct = u.numel() > 0 and not u.requires_grad and bool(u.abs().amax() <= DIRECT_LOGITS_MAX_U)
     if direct:
-        y = torch.arange(m - 1, -1, -1, dtype=u.dtype, device=u.device) - (m - 1) / 2
+        y = centred_anchors(m, u.dtype, u.device)
         # h_l = -sum_{j >= l} t_j (the last active anchor pinned at 0); -inf after the first -inf threshold.
         tf = torch.where(off, torch.zeros_like(t), t)
         h = torch.cat([-torch.flip(torch.cumsum(torch.flip(tf, [-1]), -1), [-1]), t.new_zeros(rows, 1)], -1)
@@ -214,8 +220,7 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
     retry = err > 0.05  # the hard start is poor there: try the other one on those rows only
     if bool(retry.any()):
         idx = retry.nonzero().squeeze(-1)
-        log_c = torch.log(c[idx].clamp_min(torch.finfo(u.dtype).tiny))
-        t2 = t[idx] + (log_c[:, 1:] - log_c[:, :-1])
+        t2 = t[idx] + log_mass_shift(c[idx])
         p2, s2, err2 = evaluate(t2, u[idx], None if mask is None else mask[idx], c[idx])
         better = err2 < err[idx]
         if bool(better.all()) and len(idx) == rows:
@@ -291,17 +296,15 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
     n_valid = valid.sum(-1)
     nv = n_valid.to(u.dtype)
     solve = n_valid > k
-    kk = min(n, k + 1)
-    neg_inf = torch.full((), -torch.inf, dtype=u.dtype, device=u.device)
-    top = torch.topk(torch.where(valid, u, neg_inf), kk, dim=-1).values
-    lead = torch.log(torch.tensor(float(k), dtype=u.dtype, device=u.device)) - torch.log((nv - k).clamp_min(1))
-    u_max = top[:, 0]
+    _, c = anchor_targets(n_valid, k, False, u.dtype)
+    # With anchors (1, 0), tau is the threshold t_0 and log(c_1 / c_0) = log((n - k) / k) = -L.
+    shift = log_mass_shift(c)[:, 0]
+    u_max = torch.where(valid, u, torch.full_like(u, -torch.inf)).amax(-1)
     u_min = torch.where(valid, u, torch.full_like(u, torch.inf)).amin(-1)
-    lo = torch.where(solve, u_min - lead, torch.zeros_like(lead))
-    hi = torch.where(solve, u_max - lead, torch.zeros_like(lead))
-    # Start: halfway between the k-th and (k+1)-th largest, or the same shifted by log((n-k)/k).
-    tau = 0.5 * (top[:, k - 1] + top[:, min(k, kk - 1)]) if kk > k else torch.zeros_like(lead)
-    tau = torch.where(solve, torch.nan_to_num(tau, nan=0.0, posinf=0.0, neginf=0.0), torch.zeros_like(tau))
+    lo = torch.where(solve, u_min + shift, torch.zeros_like(shift))
+    hi = torch.where(solve, u_max + shift, torch.zeros_like(shift))
+    # Start: the hard-assignment threshold, or the same shifted by log((n-k)/k).
+    tau = torch.where(solve, initial_thresholds(u, valid, c)[:, 0], torch.zeros_like(shift))
     scale = torch.minimum(torch.full_like(nv, float(k)), nv - k).clamp_min(1)
 
     def evaluate(tau):
@@ -310,7 +313,7 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
         return a, f, (f.abs() / scale).masked_fill(~solve, 0.0)
 
     a, f, err = evaluate(tau)
-    tau2 = tau - lead
+    tau2 = tau + shift
     a2, f2, err2 = evaluate(tau2)
     better = err2 < err
     tau, a, f, err = (_pick(better, x2, x1) for x2, x1 in ((tau2, tau), (a2, a), (f2, f), (err2, err)))
