@@ -1,7 +1,8 @@
 """Helpers that run fairseq's real command lines in a subprocess, as a user would."""
 import os
 import subprocess
-import sys
+
+from softtopk_fairseq.pipeline.run import fairseq_cmd
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO_ROOT, "user_dir")
@@ -11,7 +12,7 @@ def fairseq(tool, *args, cwd=None, check=True):
     """Run ``fairseq-<tool> ARGS`` with this interpreter; return the completed process (output captured)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)],
+        [*fairseq_cmd(tool), *map(str, args)],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     if check and proc.returncode != 0:
