@@ -247,6 +247,30 @@ def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
                              f"of shape {tuple(scores.shape)}") from None
 
 
+def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: bool, scaling: str) -> Tensor:
+    """Per-row temperature in score units of (rows, n) scores (already negated when largest=False)."""
+    if scaling != "paper":
+        return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
+    anchor_top = float(k if sorted else 1)
+    xv = torch.where(valid, x, torch.zeros_like(x))  # no inf * 0 in the backward of square()
+    cost = torch.maximum(xv.square(), (xv - anchor_top).square())
+    cost_max = torch.where(valid, cost, torch.zeros_like(cost)).amax(-1)
+    return torch.where(cost_max > 0, epsilon * cost_max / 2, torch.full_like(cost_max, epsilon))
+
+
+def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
+                      largest: bool = True, scaling: str = "none") -> Tensor:
+    """The temperature, in score units, that :func:`soft_topk` uses for each row (shape of ``scores``
+    without ``dim``): ``epsilon`` itself, or with ``scaling="paper"`` ``epsilon * max_cost / 2`` of the row.
+    Callers that reason about the solution (e.g. bounds on pruned candidates) need it."""
+    x = scores.detach().movedim(dim, -1)
+    valid = x != (-torch.inf if largest else torch.inf)
+    if not largest:
+        x = -x
+    rows = x.reshape(-1, x.shape[-1])
+    return _row_temperature(rows, valid.reshape(rows.shape), k, epsilon, sorted, scaling).reshape(x.shape[:-1])
+
+
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
               largest: bool = True, mask: Optional[Tensor] = None, scaling: str = "none",
               tol: Optional[float] = None, max_iter: Optional[int] = None, method: str = "newton",
@@ -289,14 +313,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         valid = valid & mask.expand(scores.shape).movedim(dim, -1).reshape(-1, n)
     if not largest:
         x = -x
-    if scaling == "paper":
-        anchor_top = float(k if sorted else 1)
-        xv = torch.where(valid, x, torch.zeros_like(x))  # no inf * 0 in the backward of square()
-        cost = torch.maximum(xv.square(), (xv - anchor_top).square())
-        cost_max = torch.where(valid, cost, torch.zeros_like(cost)).amax(-1)
-        eps = torch.where(cost_max > 0, epsilon * cost_max / 2, torch.full_like(cost_max, epsilon))
-    else:
-        eps = torch.full(x.shape[:1], float(epsilon), dtype=compute_dtype, device=x.device)
+    eps = _row_temperature(x, valid, k, epsilon, sorted, scaling)
     if tol is None:
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:

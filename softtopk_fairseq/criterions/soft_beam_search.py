@@ -1,0 +1,133 @@
+"""``--criterion soft_beam_search``: teacher forcing mixed with differentiable beam search (paper App. D).
+
+    L_final = rho * L_tf + (1 - rho) * L_SOFT
+
+``L_tf`` is fairseq's ``label_smoothed_cross_entropy`` on the batch (``--label-smoothing``); ``L_SOFT`` is the
+gold-token NLL along the best beam of a beam search run inside training with its top-k relaxed
+(:func:`softtopk_fairseq.modules.soft_beam_search.soft_beam_search`). Both are sums over the batch, so they
+share fairseq's sample size (target tokens, or sentences with ``--sentence-avg``). ``rho = 1`` is exactly
+``label_smoothed_cross_entropy``; ``rho = 0`` trains through the beam search only.
+
+The soft beam search calls ``model.encoder`` and ``model.decoder`` directly: use it with fairseq's
+``legacy_ddp`` (or no) data parallelism, whose gradient all-reduce does not depend on ``model.forward``.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq import metrics
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.dataclass import ChoiceEnum
+
+from softtopk_fairseq.modules.soft_beam_search import RELAXATIONS, soft_beam_search
+from softtopk_fairseq.ops.soft_topk import SCALINGS
+
+
+@dataclass
+class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    teacher_forcing_ratio: float = field(
+        default=0.8, metadata={"help": "rho in L = rho * L_tf + (1 - rho) * L_SOFT (1 = teacher forcing only)"})
+    soft_beam_size: int = field(default=5, metadata={"help": "beam size k of the beam search run in training"})
+    soft_topk_method: ChoiceEnum(RELAXATIONS) = field(
+        default="ot", metadata={"help": "relaxed top-k: 'ot' (sorted SOFT top-k) or 'softmax_k_times' "
+                                        "(k successive softmaxes, the Goyal et al. 2018 style baseline)"})
+    soft_topk_epsilon: float = field(
+        default=0.1, metadata={"help": "temperature of the relaxed top-k, in nats of log-likelihood "
+                                       "(with --soft-topk-scaling paper: the paper's normalised epsilon)"})
+    soft_topk_scaling: ChoiceEnum(SCALINGS) = field(
+        default="none", metadata={"help": "'paper' divides the OT cost by its per-sentence maximum like the "
+                                          "authors' code (the temperature then grows with |scores|)"})
+    soft_topk_tol: Optional[float] = field(
+        default=None, metadata={"help": "marginal tolerance of the OT solver (default: soft_topk's)"})
+    soft_topk_max_iter: Optional[int] = field(
+        default=None, metadata={"help": "iteration cap of the OT solver (default: soft_topk's)"})
+    soft_beam_candidates: int = field(
+        default=0, metadata={"help": "keep only the best M of the k*V candidates per sentence before the "
+                                     "relaxed top-k (0 = all, exact); the pruned-mass bound is logged"})
+
+
+@register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
+class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
+                 teacher_forcing_ratio=0.8, soft_beam_size=5, soft_topk_method="ot", soft_topk_epsilon=0.1,
+                 soft_topk_scaling="none", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        if not 0.0 <= teacher_forcing_ratio <= 1.0:
+            raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
+        if soft_beam_size < 1:
+            raise ValueError(f"--soft-beam-size must be >= 1, got {soft_beam_size}")
+        if not soft_topk_epsilon > 0:
+            raise ValueError(f"--soft-topk-epsilon must be > 0, got {soft_topk_epsilon}")
+        if 0 < soft_beam_candidates < soft_beam_size:
+            raise ValueError(f"--soft-beam-candidates ({soft_beam_candidates}) must be 0 or >= --soft-beam-size "
+                             f"({soft_beam_size})")
+        if ignore_prefix_size > 0:
+            raise ValueError("soft_beam_search does not support --ignore-prefix-size")
+        self.rho = teacher_forcing_ratio
+        self.search_options = dict(
+            beam=soft_beam_size, relaxation=str(soft_topk_method), epsilon=soft_topk_epsilon,
+            scaling=str(soft_topk_scaling), tol=soft_topk_tol, max_iter=soft_topk_max_iter,
+            candidates=soft_beam_candidates)
+        self.eos = task.target_dictionary.eos()
+
+    def forward(self, model, sample, reduce=True):
+        if not reduce:
+            raise ValueError("soft_beam_search only computes reduced losses")
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {"ntokens": sample["ntokens"], "nsentences": sample["target"].size(0),
+                          "sample_size": sample_size}
+        loss = tf_loss = nll_loss = None
+        if self.rho > 0:
+            tf_loss, _, tf_log = super().forward(model, sample, reduce=True)
+            nll_loss = tf_log["nll_loss"]
+            logging_output.update({k: v for k, v in tf_log.items() if k in ("n_correct", "total")})
+            logging_output["tf_loss"] = tf_loss.data
+            loss = tf_loss
+        if self.rho < 1:
+            net_input = sample["net_input"]
+            out = soft_beam_search(model, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
+                                   pad=self.padding_idx, eos=self.eos, **self.search_options)
+            soft_loss = out.nll.sum()
+            loss = soft_loss if loss is None else self.rho * tf_loss + (1 - self.rho) * soft_loss
+            if nll_loss is None:
+                nll_loss = soft_loss.data  # no teacher-forcing pass: report the beam-search NLL
+            steps = out.solver_iterations.numel()
+            logging_output.update({
+                "soft_loss": soft_loss.data,
+                "soft_topk_iters": float(out.solver_iterations.sum()), "soft_topk_steps": steps,
+                "soft_topk_err_max": float(out.solver_error.max()) if steps else 0.0,
+                "pruned_mass": float(out.pruned_mass.sum()),
+                "soft_sentences": out.nll.numel(),
+            })
+        logging_output["loss"] = loss.data
+        logging_output["nll_loss"] = nll_loss
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
+        for key in ("tf_loss", "soft_loss"):
+            if any(key in log for log in logging_outputs):
+                total = sum(log.get(key, 0) for log in logging_outputs)
+                metrics.log_scalar(key, total / ntokens / math.log(2), ntokens, round=3)
+        steps = sum(log.get("soft_topk_steps", 0) for log in logging_outputs)
+        if steps:
+            iters = sum(log.get("soft_topk_iters", 0) for log in logging_outputs)
+            metrics.log_scalar("soft_topk_iters", iters / steps, steps, round=2)
+            # Each batch logs its largest marginal error; summing across workers (logs must be summable)
+            # keeps it an upper bound.
+            metrics.log_scalar("soft_topk_err", sum(log.get("soft_topk_err_max", 0) for log in logging_outputs),
+                               steps, round=8)
+            sents = sum(log.get("soft_sentences", 0) for log in logging_outputs)
+            metrics.log_scalar("pruned_mass", sum(log.get("pruned_mass", 0) for log in logging_outputs)
+                               / max(sents, 1), sents, round=6)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True
+

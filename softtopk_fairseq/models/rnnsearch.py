@@ -1,0 +1,157 @@
+r"""``--arch rnnsearch``: the RNNsearch encoder-decoder of Bahdanau, Cho & Bengio (2014), the model of the
+paper's beam-search experiment (App. I.2). fairseq's ``lstm`` uses Luong-style attention; this is the
+original:
+
+* encoder: bidirectional GRU over the source embeddings, annotations :math:`h_j = [\vec h_j; \overleftarrow h_j]`;
+* decoder state :math:`s_0 = \tanh(W_s \overleftarrow h_1)`; at step ``i`` the context
+  :math:`c_i` attends over :math:`h` with the additive score :math:`v^\top\tanh(W s_{i-1} + U h_j)`;
+* output :math:`p(y_i) \propto \exp(W_o t_i)`, :math:`t_i = \max\text{-out}_2(U_o s_{i-1} + V_o E y_{i-1} + C_o c_i)`;
+* update :math:`s_i = \mathrm{GRU}(s_{i-1}, [E y_{i-1}; c_i])`.
+
+Incremental decoding caches :math:`s` only; the reorder is an ``index_select`` on it (so the soft beam search
+mixes it). ``rnnsearch`` is a small default; ``rnnsearch_wmt14_en_fr`` has the paper's sizes (embeddings 620,
+GRU 1000, alignment 1000, maxout 500).
+"""
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.models import (FairseqEncoder, FairseqEncoderDecoderModel, FairseqIncrementalDecoder,
+                            register_model, register_model_architecture)
+from torch import Tensor, nn
+
+from softtopk_fairseq.modules.additive_attention import AdditiveAttention
+
+DEFAULT_MAX_POSITIONS = 1024
+
+
+class RNNSearchEncoder(FairseqEncoder):
+    def __init__(self, dictionary, embed_dim, hidden_size, dropout):
+        super().__init__(dictionary)
+        self.padding_idx = dictionary.pad()
+        self.embed_tokens = nn.Embedding(len(dictionary), embed_dim, padding_idx=self.padding_idx)
+        self.rnn = nn.GRU(embed_dim, hidden_size, batch_first=True, bidirectional=True)
+        self.dropout = dropout
+        self.output_dim = 2 * hidden_size
+
+    def forward(self, src_tokens: Tensor, src_lengths: Tensor, **unused):
+        # fairseq left-pads sources by default; packing wants right padding.
+        tokens = utils.convert_padding_direction(src_tokens, self.padding_idx, left_to_right=True)
+        x = F.dropout(self.embed_tokens(tokens), self.dropout, self.training)
+        packed = nn.utils.rnn.pack_padded_sequence(x, src_lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, h_n = self.rnn(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=tokens.size(1))
+        return {
+            "annotations": [F.dropout(out, self.dropout, self.training)],  # (B, S, 2H)
+            "padding_mask": [tokens.eq(self.padding_idx)],                  # (B, S)
+            "backward_first": [h_n[1]],                                     # (B, H): <-h_1
+        }
+
+    def reorder_encoder_out(self, encoder_out, new_order):
+        return {key: [v.index_select(0, new_order) for v in values] for key, values in encoder_out.items()}
+
+    def max_positions(self):
+        return DEFAULT_MAX_POSITIONS
+
+
+class RNNSearchDecoder(FairseqIncrementalDecoder):
+    def __init__(self, dictionary, embed_dim, hidden_size, context_dim, attention_dim, maxout_dim, dropout):
+        super().__init__(dictionary)
+        self.embed_tokens = nn.Embedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+        self.init_state = nn.Linear(context_dim // 2, hidden_size)
+        self.attention = AdditiveAttention(hidden_size, context_dim, attention_dim)
+        self.cell = nn.GRUCell(embed_dim + context_dim, hidden_size)
+        self.readout_state = nn.Linear(hidden_size, 2 * maxout_dim)
+        self.readout_input = nn.Linear(embed_dim, 2 * maxout_dim, bias=False)
+        self.readout_context = nn.Linear(context_dim, 2 * maxout_dim, bias=False)
+        self.output_projection = nn.Linear(maxout_dim, len(dictionary))
+        self.dropout = dropout
+
+    def forward(self, prev_output_tokens, encoder_out=None, incremental_state=None, **unused):
+        features, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
+        return self.output_layer(features), extra
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **unused):
+        if incremental_state is not None:
+            prev_output_tokens = prev_output_tokens[:, -1:]
+        annotations = encoder_out["annotations"][0]
+        padding_mask = encoder_out["padding_mask"][0]
+        embedded = F.dropout(self.embed_tokens(prev_output_tokens), self.dropout, self.training)
+        projected_keys = self.attention.project_keys(annotations)
+        cached = self.get_incremental_state(incremental_state, "cached_state") if incremental_state is not None else None
+        if cached is not None:
+            state = cached["state"]
+        else:
+            state = torch.tanh(self.init_state(encoder_out["backward_first"][0]))
+        readouts, weights = [], []
+        for i in range(embedded.size(1)):
+            y_prev = embedded[:, i]
+            context, alpha = self.attention(state, annotations, projected_keys, padding_mask)
+            pre = self.readout_state(state) + self.readout_input(y_prev) + self.readout_context(context)
+            readouts.append(pre.view(pre.size(0), -1, 2).amax(-1))  # max-out over pairs
+            weights.append(alpha)
+            state = self.cell(torch.cat([y_prev, context], dim=-1), state)
+        if incremental_state is not None:
+            self.set_incremental_state(incremental_state, "cached_state", {"state": state})
+        features = F.dropout(torch.stack(readouts, 1), self.dropout, self.training)
+        return features, {"attn": [torch.stack(weights, 1)]}
+
+    def output_layer(self, features):
+        return self.output_projection(features)
+
+    def reorder_incremental_state(self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor):
+        cached = self.get_incremental_state(incremental_state, "cached_state")
+        if cached is None:
+            return
+        self.set_incremental_state(incremental_state, "cached_state",
+                                   {"state": cached["state"].index_select(0, new_order)})
+
+    def max_positions(self):
+        return DEFAULT_MAX_POSITIONS
+
+
+@register_model("rnnsearch")
+class RNNSearchModel(FairseqEncoderDecoderModel):
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--encoder-embed-dim", type=int, metavar="N", help="source embedding size")
+        parser.add_argument("--encoder-hidden-size", type=int, metavar="N", help="GRU size of each direction")
+        parser.add_argument("--decoder-embed-dim", type=int, metavar="N", help="target embedding size")
+        parser.add_argument("--decoder-hidden-size", type=int, metavar="N", help="decoder GRU size")
+        parser.add_argument("--attention-dim", type=int, metavar="N", help="alignment model size")
+        parser.add_argument("--maxout-dim", type=int, metavar="N", help="max-out readout size")
+        parser.add_argument("--dropout", type=float, metavar="D", help="dropout probability")
+
+    @classmethod
+    def build_model(cls, args, task):
+        base_architecture(args)
+        encoder = RNNSearchEncoder(task.source_dictionary, args.encoder_embed_dim, args.encoder_hidden_size,
+                                   args.dropout)
+        decoder = RNNSearchDecoder(task.target_dictionary, args.decoder_embed_dim, args.decoder_hidden_size,
+                                   encoder.output_dim, args.attention_dim, args.maxout_dim, args.dropout)
+        return cls(encoder, decoder)
+
+
+@register_model_architecture("rnnsearch", "rnnsearch")
+def base_architecture(args):
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
+    args.encoder_hidden_size = getattr(args, "encoder_hidden_size", 256)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
+    args.decoder_hidden_size = getattr(args, "decoder_hidden_size", 512)
+    args.attention_dim = getattr(args, "attention_dim", 256)
+    args.maxout_dim = getattr(args, "maxout_dim", 256)
+    args.dropout = getattr(args, "dropout", 0.2)
+
+
+@register_model_architecture("rnnsearch", "rnnsearch_wmt14_en_fr")
+def rnnsearch_wmt14_en_fr(args):
+    """Bahdanau et al. (2014) RNNsearch sizes, as in the paper's WMT14 en-fr experiment."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 620)
+    args.encoder_hidden_size = getattr(args, "encoder_hidden_size", 1000)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 620)
+    args.decoder_hidden_size = getattr(args, "decoder_hidden_size", 1000)
+    args.attention_dim = getattr(args, "attention_dim", 1000)
+    args.maxout_dim = getattr(args, "maxout_dim", 500)
+    args.dropout = getattr(args, "dropout", 0.0)
+    base_architecture(args)

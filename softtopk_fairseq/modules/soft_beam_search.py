@@ -1,0 +1,220 @@
+r"""Differentiable beam search through any fairseq incremental encoder-decoder (paper App. D, Algorithm 2, I.2).
+
+For each target position ``t`` the decoder runs one incremental step for the ``k`` beams of every sentence
+(a batch of ``bsz*k``, like fairseq's ``SequenceGenerator``). The candidate scores are the cumulative
+log-likelihoods of the ``k*V`` extensions; a sorted relaxed top-k (:func:`~softtopk_fairseq.ops.soft_topk`
+or :func:`~softtopk_fairseq.ops.softmax_k_times`) gives ``A`` (candidates x ranks), and
+
+* the next input of beam ``l`` is ``sum_c A[c, l] * embed(token(c))`` (eq. (9), via :class:`SoftTokenInput`),
+* the next state of beam ``l`` is ``sum_i W[l, i] * state_i`` with ``W[l, i] = sum_{c from beam i} A[c, l]``
+  (eq. (10), via :class:`SoftOrder` in the decoder's own ``reorder_incremental_state``),
+* the bookkeeping (prefix tokens, cumulative score, parent pointers) follows the hard argmax of ``A[:, l]``
+  (App. I.2).
+
+Choices this implementation makes (documented, tested):
+
+* It decodes for the gold length of each sentence: ``eos`` and ``pad`` are excluded from the candidates at
+  every step, the gold ``eos`` is scored at the sentence's last position, and positions past it are masked.
+* Step 0: all ``k`` beams hold the same prefix, so only beam 0's candidates are live (the others are -inf,
+  which the operator excludes) -- fairseq's generator does the same.
+* The best hypothesis is the final beam with the largest ``cumulative score + log p(eos)``, as fairseq's
+  generator would rank them; ``L_SOFT`` is the NLL of the gold tokens along its backtracked beams,
+  ``-sum_t log p(y_t | beam at step t)``.
+* Pruning: with ``candidates = M < k*V`` only the ``M`` best candidates per sentence (hard top-M) enter the
+  relaxed top-k. :attr:`SoftBeamOutput.pruned_mass` bounds, per sentence and step, the rank mass the pruned
+  candidates would receive at the kept problem's solution (see :func:`_pruned_mass_bound`).
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
+from softtopk_fairseq.ops import effective_epsilon, soft_topk, softmax_k_times
+
+RELAXATIONS = ("ot", "softmax_k_times")
+
+
+class SoftBeamOutput(NamedTuple):
+    nll: Tensor               # (bsz,) L_SOFT per sentence: gold-token NLL along the best beam (differentiable)
+    hypotheses: Tensor        # (bsz, k, T) hard tokens of the final beams, best first, eos then pad
+    hypothesis_scores: Tensor  # (bsz, k) cumulative log-likelihood incl. eos, best first
+    solver_iterations: Tensor  # (steps,) mean solver iterations per step (0 for softmax_k_times)
+    solver_error: Tensor       # (steps,) max marginal error per step (0 for softmax_k_times)
+    pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
+
+
+def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_lse: Tensor, eps: Tensor, relaxation: str) -> Tensor:
+    r"""Upper bound on the rank mass the pruned candidates would get, per row.
+
+    OT: at the kept problem's dual potentials a candidate of score ``x`` gets
+    :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
+    candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
+    over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
+    the weakest kept candidate's rest mass. softmax_k_times: the exact mass ``S_p / (S_p + S_l)`` of each
+    rank's softmax summed over ranks (``S`` = sums of ``exp(x / T)``). ``pruned_lse`` is
+    ``logsumexp(x_p / eps)`` over the pruned candidates.
+    """
+    if relaxation == "ot":
+        weakest = kept.argmin(-1, keepdim=True)
+        x_w = kept.gather(-1, weakest).squeeze(-1)
+        rank_mass = A.gather(1, weakest.unsqueeze(-1).expand(-1, 1, A.shape[-1])).squeeze(1).sum(-1)
+        rest = (1 - rank_mass).clamp_min(torch.finfo(A.dtype).tiny)
+        log_bound = torch.log(rank_mass.clamp_min(torch.finfo(A.dtype).tiny)) - torch.log(rest) \
+            + pruned_lse - x_w / eps
+        return torch.exp(log_bound.clamp(max=math.log(kept.shape[-1] * 1e6)))
+    # softmax_k_times: rank l removes the hard top-l kept candidates from the denominator.
+    logits = kept / eps.unsqueeze(-1)
+    top = torch.sort(logits, -1, descending=True).values[..., : A.shape[-1]]
+    lse_all = torch.logsumexp(logits, -1, keepdim=True)
+    removed = torch.cumsum(torch.exp(top - lse_all), -1) - torch.exp(top - lse_all)  # mass of the top-l
+    lse_kept = lse_all + torch.log((1 - removed).clamp_min(torch.finfo(A.dtype).tiny))
+    return torch.sigmoid(pruned_lse.unsqueeze(-1) - lse_kept).sum(-1)
+
+
+def _log_probs(model, net_output) -> Tensor:
+    """The model's own normalisation -- except that fairseq computes it in float32 even for float64 models,
+    which would cap the precision of gradient checks: those get log_softmax in float64."""
+    logits = net_output[0]
+    if logits.dtype == torch.float64 and getattr(model.decoder, "adaptive_softmax", None) is None:
+        return torch.log_softmax(logits, -1)
+    return model.get_normalized_probs(net_output, log_probs=True)
+
+
+def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
+                     beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
+                     tol: Optional[float] = None, max_iter: Optional[int] = None,
+                     candidates: int = 0) -> SoftBeamOutput:
+    """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
+    decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
+
+    Args:
+        target: (bsz, T) gold tokens, right-padded with ``pad``, each row ending in ``eos``.
+        beam: k. relaxation: ``"ot"`` (sorted SOFT top-k) or ``"softmax_k_times"``.
+        epsilon, scaling, tol, max_iter: passed to ``soft_topk`` (epsilon is the softmax temperature of
+            ``softmax_k_times``), in units of log-likelihood.
+        candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all).
+    """
+    if relaxation not in RELAXATIONS:
+        raise ValueError(f"soft_beam_search: relaxation must be one of {RELAXATIONS}, got {relaxation!r}")
+    decoder = model.decoder
+    embed = getattr(decoder, "embed_tokens", None)
+    if embed is None:
+        raise TypeError(f"soft_beam_search: {type(decoder).__name__} has no embed_tokens module to feed soft "
+                        "tokens through")
+    k = beam
+    bsz, T = target.shape
+    device = target.device
+    lengths = target.ne(pad).sum(1)  # incl. eos
+    if bool((lengths < 1).any()):
+        raise ValueError("soft_beam_search: empty target")
+
+    encoder_out = model.encoder(src_tokens, src_lengths=src_lengths)
+    expand = torch.arange(bsz, device=device).repeat_interleave(k)
+    encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
+    incremental_state = {}
+    prefix = torch.full((bsz * k, 1), eos, dtype=torch.long, device=device)
+    cum: Optional[Tensor] = None
+    V: Optional[int] = None
+    gold_lp, final_lp, parents, tokens, cums = [], [], [], [], []
+    iters, errs = [], []
+    pruned = target.new_zeros(bsz, dtype=torch.float)
+    base = (torch.arange(bsz, device=device) * k).unsqueeze(1)
+
+    with SoftTokenInput(embed) as soft_input:
+        for t in range(T):
+            net_output = decoder(prefix, encoder_out=encoder_out, incremental_state=incremental_state)
+            lprobs = _log_probs(model, net_output)
+            V = lprobs.shape[-1]
+            lprobs = lprobs.view(bsz, k, V)
+            if cum is None:  # step 0: one live beam
+                cum = lprobs.new_full((bsz, k), -torch.inf)
+                cum[:, 0] = 0
+            gold_lp.append(lprobs.gather(2, target[:, t].view(bsz, 1, 1).expand(bsz, k, 1)).squeeze(2))
+            final_lp.append((cum + lprobs[:, :, eos]).detach())
+            cums.append(cum.detach())
+            if t == T - 1:
+                break
+
+            banned = torch.zeros(V, dtype=torch.bool, device=device)
+            banned[[pad, eos]] = True
+            cand = (cum.unsqueeze(-1) + lprobs.masked_fill(banned, -torch.inf)).view(bsz, k * V)
+            exact = candidates <= 0 or candidates >= k * V
+            if exact:
+                kept, kept_idx = cand, None
+            else:
+                kept, kept_idx = torch.topk(cand, candidates, dim=1)
+            if relaxation == "ot":
+                A, info = soft_topk(kept, k, sorted=True, epsilon=epsilon, scaling=scaling, tol=tol,
+                                    max_iter=max_iter, return_info=True)
+                iters.append(info.iterations.detach().float().mean())
+                errs.append(info.error.detach().max())
+            else:
+                A = softmax_k_times(kept, k, temperature=epsilon)
+                iters.append(cand.new_zeros(()))
+                errs.append(cand.new_zeros(()))
+            if not exact:
+                eps = effective_epsilon(kept, k, epsilon=epsilon, sorted=True,
+                                        scaling=scaling if relaxation == "ot" else "none")
+                rest = cand.detach().scatter(1, kept_idx, -torch.inf)
+                pruned_lse = torch.logsumexp(rest / eps.unsqueeze(-1), -1)
+                pruned += _pruned_mass_bound(A.detach(), kept.detach(), pruned_lse, eps, relaxation).float()
+
+            # Hard bookkeeping: the argmax candidate of each rank (App. I.2).
+            best = A.detach().argmax(1)  # (bsz, k)
+            flat = best if exact else kept_idx.gather(1, best)
+            parent, token = flat // V, flat % V
+            cum = kept.gather(1, best)
+            order = (base + parent).view(-1)
+
+            # Soft state (eq. 10) and soft input (eq. 9).
+            if exact:
+                A4 = A.view(bsz, k, V, k)
+                mixing = A4.sum(2).transpose(1, 2)
+                table = embed(torch.arange(V, device=device))
+                soft = torch.matmul(A4.sum(1).transpose(1, 2).to(table.dtype), table)
+            else:
+                beam_of = kept_idx // V
+                mixing = lprobs.new_zeros(bsz, k, k).scatter_add(2, beam_of.unsqueeze(1).expand(bsz, k, -1),
+                                                                  A.transpose(1, 2))
+                table = embed(kept_idx % V)
+                soft = torch.bmm(A.transpose(1, 2).to(table.dtype), table)
+            decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, mixing))
+            prefix = torch.cat([prefix[order], token.view(-1, 1)], 1)
+            soft_input.pending = soft.reshape(bsz * k, 1, -1)
+            parents.append(parent)
+            tokens.append(token)
+
+    # Backtrack every final beam from its sentence's eos position.
+    last = lengths - 1                                  # index of eos in the target
+    final = torch.stack(final_lp, 1)                    # (bsz, T, k)
+    final_at_end = final.gather(1, last.view(bsz, 1, 1).expand(bsz, 1, k)).squeeze(1)
+    ranked_scores, ranked = final_at_end.sort(-1, descending=True)
+    path = torch.zeros(bsz, k, T, dtype=torch.long, device=device)
+    hyps = torch.full((bsz, k, T), pad, dtype=torch.long, device=device)
+    cur = ranked
+    for t in range(T - 1, -1, -1):
+        at_end = (t == last).view(bsz, 1)
+        active = (t <= last).view(bsz, 1)
+        cur = torch.where(at_end, ranked, cur)
+        path[:, :, t] = cur
+        if t > 0:
+            hyps[:, :, t - 1] = torch.where(active, tokens[t - 1].gather(1, cur), pad)
+            cur = torch.where(active, parents[t - 1].gather(1, cur), cur)
+    hyps = torch.where((torch.arange(T, device=device) == last.view(bsz, 1)).unsqueeze(1), eos, hyps)
+
+    gold = torch.stack(gold_lp, 1)                      # (bsz, T, k)
+    along_best = gold.gather(2, path[:, 0, :].unsqueeze(2)).squeeze(2)
+    positions = torch.arange(T, device=device).view(1, T) <= last.view(bsz, 1)
+    nll = -torch.where(positions, along_best, torch.zeros_like(along_best)).sum(1)
+    steps = max(T - 1, 1)
+    zero = target.new_zeros(steps, dtype=torch.float)
+    return SoftBeamOutput(
+        nll=nll,
+        hypotheses=hyps,
+        hypothesis_scores=ranked_scores,
+        solver_iterations=torch.stack(iters).float() if iters else zero,
+        solver_error=torch.stack(errs).float() if errs else zero,
+        pruned_mass=pruned,
+    )

@@ -1,0 +1,53 @@
+r"""The "softmax applied k times" relaxation of the sorted top-k (the paper's App. C baseline, after Goyal et
+al. 2018 and Plotz & Roth 2018), with the same output layout as ``soft_topk(..., sorted=True)``.
+
+Rank ``l`` is a softmax over the scores with the hard top-``l`` entries removed:
+
+.. math::  A_{il} = \frac{\exp(x_i / T)\,[i \notin \mathrm{top}_l(x)]}{\sum_j \exp(x_j / T)\,[j \notin \mathrm{top}_l(x)]},
+           \qquad l = 0, \dots, k-1,
+
+so every rank column sums to 1, but unlike the OT operator the rows need not sum to at most 1 (an element can
+be counted at several ranks). The removal set is hard (no gradient flows through which entries were
+removed); the gradient flows through the softmaxes. ``-inf`` scores and ``mask == False`` entries get 0.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, temperature: float = 0.1,
+                    mask: Optional[Tensor] = None) -> Tensor:
+    """Sorted top-k relaxed by ``k`` successive softmaxes; output ``scores.shape + (k,)`` (ranks last,
+    ``dim`` keeps its place), ``A[..., i, l]`` = soft indicator that element ``i`` has rank ``l``.
+
+    ``temperature`` is in the units of the scores. A row with fewer than ``l + 1`` valid entries gets an
+    all-zero rank-``l`` column (like ``soft_topk``'s degenerate rows).
+    """
+    if not scores.is_floating_point():
+        raise TypeError(f"softmax_k_times: scores must be a float tensor, got {scores.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"softmax_k_times: temperature must be > 0, got {temperature}")
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("softmax_k_times: scores contain NaN")
+    dim = dim % scores.dim()
+    n = scores.shape[dim]
+    if not 1 <= k <= n:
+        raise ValueError(f"softmax_k_times: k={k} must be in 1..{n} (the size of dim {dim})")
+    x = scores.movedim(dim, -1)
+    valid = x > -torch.inf
+    if mask is not None:
+        valid = valid & mask.expand(scores.shape).movedim(dim, -1)
+    compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    logits = torch.where(valid, compute / temperature, torch.full_like(compute, -torch.inf))
+    top = torch.topk(logits.detach(), k, dim=-1).indices
+    removed = torch.zeros_like(valid)
+    cols = []
+    for rank in range(k):
+        masked = logits.masked_fill(removed, -torch.inf)
+        alive = (masked > -torch.inf).any(-1, keepdim=True)
+        # A rank with no entry left (n_valid <= rank) is an all-zero column, not softmax(-inf...) = NaN.
+        safe = torch.where(alive, masked, torch.zeros_like(masked))
+        cols.append(torch.where(alive & ~removed & valid, torch.softmax(safe, -1), torch.zeros_like(safe)))
+        removed = removed.scatter(-1, top[..., rank:rank + 1], True)
+    return torch.stack(cols, -1).to(scores.dtype).movedim(-2, dim)

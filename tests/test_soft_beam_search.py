@@ -1,0 +1,237 @@
+"""The differentiable beam search and the soft_beam_search criterion, in Python on tiny models."""
+import math
+
+import pytest
+import torch
+
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.sequence_generator import SequenceGenerator
+from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+from softtopk_fairseq.modules.soft_beam_search import _pruned_mass_bound, soft_beam_search
+from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
+from softtopk_fairseq.ops import soft_topk
+from tiny_models import ARCHS, TinyTask, batch, build, dictionary
+
+
+def run(model, sample, d, **kw):
+    ni = sample["net_input"]
+    return soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(),
+                            eos=d.eos(), **kw)
+
+
+# ---------------------------------------------------------------- the soft reorder and the soft input ----
+
+def test_soft_order_mixes_float_state_and_hard_selects_the_rest():
+    bsz, k = 2, 3
+    mixing = torch.softmax(torch.randn(bsz, k, k), -1)
+    parents = mixing.argmax(-1)
+    order = ((torch.arange(bsz) * k).unsqueeze(1) + parents).view(-1)
+    soft = SoftOrder(order, mixing)
+    state = torch.randn(4, bsz * k, 5)           # batch in dim 1, like an LSTM's stacked hidden state
+    got = state.index_select(1, soft)
+    want = torch.einsum("blj,tbjh->tblh", mixing, state.view(4, bsz, k, 5)).reshape(4, bsz * k, 5)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.index_select(state, 1, soft), want)
+    mask = torch.rand(bsz * k, 7) > 0.5           # bool state: hard order
+    assert torch.equal(mask.index_select(0, soft), mask.index_select(0, order))
+    assert soft.size(0) == bsz * k and type(soft.view(-1, k)) is torch.Tensor
+    # A one-hot mixing matrix is exactly the hard reorder.
+    onehot = torch.nn.functional.one_hot(parents, k).double()
+    x = torch.randn(bsz * k, 4, dtype=torch.float64)
+    assert torch.equal(x.index_select(0, SoftOrder(order, onehot)), x.index_select(0, order))
+    assert torch.equal(mix_beams(x, 0, onehot), x[order])
+
+
+def test_soft_token_input_replaces_only_the_pending_lookup():
+    emb = torch.nn.Embedding(10, 4)
+    tokens = torch.tensor([[1], [2]])
+    with SoftTokenInput(emb) as hook:
+        assert torch.equal(emb(tokens), emb.weight[tokens])
+        soft = torch.randn(2, 1, 4)
+        hook.pending = soft
+        assert torch.equal(emb(tokens), soft)
+        assert torch.equal(emb(tokens), emb.weight[tokens])  # consumed
+        hook.pending = torch.randn(3, 1, 4)
+        with pytest.raises(RuntimeError, match="does not match"):
+            emb(tokens)
+    hook.pending = soft
+    assert torch.equal(emb(tokens), emb.weight[tokens])  # hook removed on exit
+
+
+# ------------------------------------------------------------- epsilon -> 0 is fairseq's beam search ----
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_epsilon_gives_sequence_generator_hypotheses(arch):
+    d = dictionary(20)
+    model = build(arch, d).eval()
+    sample = batch(d, bsz=3, tgt_lens=(4, 3, 6))
+    k = 4
+    with torch.no_grad():
+        out = run(model, sample, d, beam=k, epsilon=1e-4)
+    lengths = sample["target"].ne(d.pad()).sum(1)
+    for b in range(3):
+        src = sample["net_input"]["src_tokens"][b]
+        src = src[src.ne(d.pad())].unsqueeze(0)
+        n = int(lengths[b])
+        gen = SequenceGenerator([model], d, beam_size=k, max_len_a=0, max_len_b=n - 1, min_len=n - 1)
+        hypos = gen.generate([model], {"net_input": {"src_tokens": src,
+                                                     "src_lengths": torch.tensor([src.size(1)])}})[0]
+        want = [h["tokens"].tolist() for h in hypos]
+        got = [row[:n] for row in out.hypotheses[b].tolist()]
+        assert got == want, (arch, b)
+        want_scores = torch.tensor([float(h["score"]) * n for h in hypos], dtype=torch.float64)
+        torch.testing.assert_close(out.hypothesis_scores[b].double(), want_scores, rtol=1e-4, atol=1e-4)
+    assert float(out.solver_error.max()) < 1e-6
+
+
+# -------------------------------------------------------------------------------- gradients -----------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_soft_path_gradients_reach_encoder_decoder_and_embeddings(arch):
+    d = dictionary(12)
+    model = build(arch, d)
+    sample = batch(d)
+    run(model, sample, d, beam=3, epsilon=0.5).nll.sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for part in ("encoder.", "decoder."):
+        assert any(g is not None and float(g.abs().sum()) > 0 for n, g in grads.items() if n.startswith(part))
+    assert float(model.decoder.embed_tokens.weight.grad.abs().sum()) > 0
+    assert all(torch.isfinite(g).all() for g in grads.values() if g is not None)
+
+
+def _finite_difference_check(model, loss_fn, n_params=6, h=1e-4):
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    loss_fn().backward()
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for p in params:
+        if p.grad is None or float(p.grad.abs().max()) == 0:
+            continue
+        i = int(torch.randint(p.numel(), (1,), generator=g))
+        flat = p.data.view(-1)
+        orig = float(flat[i])
+        with torch.no_grad():
+            flat[i] = orig + h
+            up = float(loss_fn())
+            flat[i] = orig - h
+            down = float(loss_fn())
+            flat[i] = orig
+        fd = (up - down) / (2 * h)
+        analytic = float(p.grad.view(-1)[i])
+        assert math.isclose(fd, analytic, rel_tol=1e-5, abs_tol=1e-7), (fd, analytic)
+        checked += 1
+        if checked == n_params:
+            break
+    assert checked == n_params
+
+
+@pytest.mark.parametrize("options", [
+    dict(relaxation="ot", epsilon=0.5),
+    dict(relaxation="ot", epsilon=0.5, candidates=10),
+    dict(relaxation="ot", epsilon=0.05, scaling="paper"),
+    dict(relaxation="softmax_k_times", epsilon=0.5),
+])
+def test_soft_loss_matches_finite_differences(options):
+    d = dictionary(10)
+    model = build("lstm", d)
+    sample = batch(d, bsz=2, tgt_lens=(4, 3))
+    _finite_difference_check(model, lambda: run(model, sample, d, beam=3, **options).nll.sum())
+
+
+# ------------------------------------------------------------------------------------ pruning -----------
+
+def test_pruning_keeps_hypotheses_and_its_mass_bound_holds():
+    d = dictionary(30)
+    model = build("lstm", d).eval()
+    sample = batch(d)
+    with torch.no_grad():
+        exact = run(model, sample, d, beam=3, epsilon=1e-3)
+        pruned = run(model, sample, d, beam=3, epsilon=1e-3, candidates=8)
+    assert torch.equal(exact.hypotheses, pruned.hypotheses)
+    assert float(exact.pruned_mass.abs().sum()) == 0 and float(pruned.pruned_mass.min()) >= 0
+
+
+@pytest.mark.parametrize("epsilon", [0.05, 0.3, 1.0])
+def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
+    """The bound is derived at the kept problem's potentials; check it also bounds the mass that the pruned
+    candidates get when the whole problem is solved (the figure a user cares about)."""
+    torch.manual_seed(0)
+    k, M = 4, 12
+    for _ in range(20):
+        scores = torch.randn(5, 60, dtype=torch.float64) * 2
+        full = soft_topk(scores, k, sorted=True, epsilon=epsilon)
+        kept, idx = scores.topk(M, -1)
+        A = soft_topk(kept, k, sorted=True, epsilon=epsilon)
+        rest = scores.scatter(1, idx, -torch.inf)
+        eps = torch.full((5,), epsilon, dtype=torch.float64)
+        bound = _pruned_mass_bound(A, kept, torch.logsumexp(rest / epsilon, -1), eps, "ot")
+        true = full.sum(-1).sum(-1) - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum(-1).sum(-1)
+        assert bool((true <= bound + 1e-12).all()), (true, bound)
+    A2 = torch.softmax(kept / epsilon, -1)  # rank 0 of softmax_k_times: exact pruned mass S_p / (S_p + S)
+    from softtopk_fairseq.ops import softmax_k_times
+    A2 = softmax_k_times(kept, 1, temperature=epsilon)
+    got = _pruned_mass_bound(A2, kept, torch.logsumexp(rest / epsilon, -1), eps, "softmax_k_times")
+    want = 1 - torch.softmax(scores / epsilon, -1).gather(1, idx).sum(-1)
+    torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------------------------ criterion ---------
+
+def _criterion(task, rho, **kw):
+    return SoftBeamSearchCriterion(task, sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho,
+                                   soft_beam_size=3, **kw)
+
+
+def _loss_and_grads(criterion, model, sample):
+    model.zero_grad()
+    loss, sample_size, log = criterion(model, sample)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], log
+
+
+@pytest.mark.parametrize("arch", ["lstm", "transformer"])
+def test_rho_one_is_exactly_label_smoothed_cross_entropy(arch):
+    d = dictionary(12)
+    model = build(arch, d, dtype=torch.float32, dropout=0.0)
+    sample = batch(d)
+    task = TinyTask(d)
+    stock = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    loss_a, grads_a, _ = _loss_and_grads(stock, model, sample)
+    loss_b, grads_b, log = _loss_and_grads(_criterion(task, 1.0), model, sample)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert "soft_loss" not in log
+
+
+def test_rho_mixes_the_two_losses():
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float64)
+    sample = batch(d)
+    task = TinyTask(d)
+    tf, _, _ = _criterion(task, 1.0)(model, sample)
+    soft, _, log0 = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    mixed, size, log = _criterion(task, 0.8, soft_topk_epsilon=0.5)(model, sample)
+    torch.testing.assert_close(mixed, 0.8 * tf + 0.2 * soft)
+    assert size == sample["ntokens"]
+    for key in ("loss", "nll_loss", "tf_loss", "soft_loss", "soft_topk_iters", "pruned_mass"):
+        assert key in log
+    assert log0["nll_loss"] == log0["soft_loss"]  # rho = 0: no teacher-forcing pass, nll is the beam's
+
+
+def test_criterion_rejects_bad_flags():
+    task = TinyTask(dictionary(8))
+    for kw, match in ((dict(rho=1.5), "teacher-forcing-ratio"), (dict(rho=0.5, soft_topk_epsilon=0), "epsilon"),
+                      (dict(rho=0.5, soft_beam_candidates=2), "candidates")):
+        rho = kw.pop("rho")
+        with pytest.raises(ValueError, match=match):
+            _criterion(task, rho, **kw)
+
+
+def test_decoder_without_embed_tokens_is_a_clear_error():
+    d = dictionary(8)
+    model = build("lstm", d)
+    del model.decoder.embed_tokens
+    model.decoder.embed_tokens = None
+    with pytest.raises(TypeError, match="embed_tokens"):
+        run(model, batch(d), d, beam=2)
