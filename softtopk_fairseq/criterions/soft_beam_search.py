@@ -101,7 +101,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
                 "soft_topk_iters": float(out.solver_iterations.sum()), "soft_topk_steps": steps,
                 "soft_topk_err_max": float(out.solver_error.max()) if steps else 0.0,
                 "pruned_mass": float(out.pruned_mass.sum()),
-                "soft_sentences": out.nll.numel(),
+                "soft_sentence_steps": out.nll.numel() * steps,
             })
         logging_output["loss"] = loss.data
         logging_output["nll_loss"] = nll_loss
@@ -123,9 +123,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             # keeps it an upper bound.
             metrics.log_scalar("soft_topk_err", sum(log.get("soft_topk_err_max", 0) for log in logging_outputs),
                                steps, round=8)
-            sents = sum(log.get("soft_sentences", 0) for log in logging_outputs)
+            # Per sentence and step: the bound on the rank mass (out of k) lost to pruning.
+            cells = sum(log.get("soft_sentence_steps", 0) for log in logging_outputs)
             metrics.log_scalar("pruned_mass", sum(log.get("pruned_mass", 0) for log in logging_outputs)
-                               / max(sents, 1), sents, round=6)
+                               / max(cells, 1), cells, round=6)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

@@ -52,7 +52,7 @@ def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_lse: Tensor, eps: Tensor,
     :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
     candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
     over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
-    the weakest kept candidate's rest mass. softmax_k_times: the exact mass ``S_p / (S_p + S_l)`` of each
+    the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). softmax_k_times: the exact mass ``S_p / (S_p + S_l)`` of each
     rank's softmax summed over ranks (``S`` = sums of ``exp(x / T)``). ``pruned_lse`` is
     ``logsumexp(x_p / eps)`` over the pruned candidates.
     """
@@ -63,7 +63,7 @@ def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_lse: Tensor, eps: Tensor,
         rest = (1 - rank_mass).clamp_min(torch.finfo(A.dtype).tiny)
         log_bound = torch.log(rank_mass.clamp_min(torch.finfo(A.dtype).tiny)) - torch.log(rest) \
             + pruned_lse - x_w / eps
-        return torch.exp(log_bound.clamp(max=math.log(kept.shape[-1] * 1e6)))
+        return torch.exp(log_bound.clamp(max=math.log(A.shape[-1])))  # the pruned mass is at most k anyway
     # softmax_k_times: rank l removes the hard top-l kept candidates from the denominator.
     logits = kept / eps.unsqueeze(-1)
     top = torch.sort(logits, -1, descending=True).values[..., : A.shape[-1]]

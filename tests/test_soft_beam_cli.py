@@ -1,0 +1,95 @@
+"""``--criterion soft_beam_search`` and ``--arch rnnsearch`` through fairseq's real command lines."""
+import re
+import socket
+import subprocess
+
+import pytest
+
+from fairseq_cli import USER_DIR, fairseq, fairseq_cmd
+from softtopk_fairseq.pipeline import toy_corpus
+
+ARCH_ARGS = {
+    "rnnsearch": ["--arch", "rnnsearch", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
+                  "--encoder-hidden-size", "8", "--decoder-hidden-size", "8", "--attention-dim", "8",
+                  "--maxout-dim", "8"],
+    "lstm": ["--arch", "lstm", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
+             "--encoder-hidden-size", "8", "--decoder-hidden-size", "8", "--decoder-out-embed-dim", "8"],
+    "transformer": ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+                    "--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-ffn-embed-dim", "16",
+                    "--decoder-ffn-embed-dim", "16", "--encoder-attention-heads", "2",
+                    "--decoder-attention-heads", "2"],
+}
+SOFT_BEAM = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1", "--teacher-forcing-ratio", "0.5",
+             "--soft-beam-size", "3", "--soft-beam-candidates", "20"]
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    for split, n, seed in (("train", 200, 1), ("valid", 20, 2), ("test", 12, 3)):
+        toy_corpus.write_split(str(root / split), n, seed)
+    fairseq("preprocess", "--source-lang", "en", "--target-lang", "fr", "--trainpref", root / "train",
+            "--validpref", root / "valid", "--testpref", root / "test", "--destdir", root / "bin",
+            "--joined-dictionary", "--workers", "1")
+    return root / "bin"
+
+
+def train_args(data_bin, save_dir, arch, max_update, *extra):
+    return [data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "3", *ARCH_ARGS[arch], "--optimizer", "adam",
+            "--lr", "0.005", *SOFT_BEAM, "--max-tokens", "400", "--max-update", str(max_update),
+            "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "1",
+            "--num-workers", "0", "--required-batch-size-multiple", "1", *extra]
+
+
+def losses(log):
+    return re.findall(r"train_inner \| epoch \d+: +\d+ / \d+ (loss=[^,]+, nll_loss=[^,]+, tf_loss=[^,]+, "
+                      r"soft_loss=[^,]+)", log)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_ARGS))
+def test_train_resume_generate(data_bin, tmp_path, arch):
+    save = tmp_path / "ckpt"
+    log = fairseq("train", *train_args(data_bin, save, arch, 2)).stdout
+    assert len(losses(log)) == 2, log[-3000:]
+    for key in ("soft_topk_iters=", "soft_topk_err=", "pruned_mass="):
+        assert key in log
+    log = fairseq("train", *train_args(data_bin, save, arch, 4)).stdout
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 2 updates\)", log), log[-3000:]
+    assert re.search(r"num_updates 4\b", log), log[-3000:]
+    out = fairseq("generate", data_bin, "--user-dir", USER_DIR, "--cpu", "--path", save / "checkpoint_last.pt",
+                  "--gen-subset", "test", "--beam", "3", "--batch-size", "5", "--max-len-b", "20",
+                  "--required-batch-size-multiple", "1").stdout
+    assert sorted(map(int, re.findall(r"^H-(\d+)\t", out, flags=re.M))) == list(range(12)), out[-3000:]
+
+
+def test_update_freq_and_seed_reproduce(data_bin, tmp_path):
+    """Same seed -> identical losses; --update-freq 2 accumulates two --max-tokens batches per update."""
+    runs = [fairseq("train", *train_args(data_bin, tmp_path / f"r{i}", "lstm", 3, "--update-freq", "2")).stdout
+            for i in range(2)]
+    assert losses(runs[0]) == losses(runs[1]) and len(losses(runs[0])) == 3
+    single = fairseq("train", *train_args(data_bin, tmp_path / "single", "lstm", 3)).stdout
+    bsz = lambda log: [int(b) for b in re.findall(r"train_inner .* bsz=(\d+)", log)]  # noqa: E731
+    assert sum(bsz(runs[0])) > sum(bsz(single))  # two batches per update
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_distributed_two_cpu_workers(data_bin, tmp_path):
+    """fairseq's own distributed training, two gloo workers on CPU, launched by hand (torchrun and fairseq's
+    spawn assume CUDA); legacy_ddp because c10d DDP wants a GPU."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [*fairseq_cmd("train"), *map(str, train_args(data_bin, tmp_path / "ckpt", "lstm", 3)),
+         "--distributed-world-size", "2", "--distributed-rank", str(rank),
+         "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+         "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "distributed init (rank 1)" in "".join(logs)
+    assert len(losses(logs[0])) == 3 and re.search(r"num_updates 3\b", logs[0])
+    assert (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
