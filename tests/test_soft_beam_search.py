@@ -9,7 +9,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 from softtopk_fairseq.modules.soft_beam_search import _pruned_mass_bound, soft_beam_search
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
-from softtopk_fairseq.ops import soft_topk
+from softtopk_fairseq.ops import soft_topk, softmax_k_times
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
 
 
@@ -165,13 +165,13 @@ def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
         A = soft_topk(kept, k, sorted=True, epsilon=epsilon)
         rest = scores.scatter(1, idx, -torch.inf)
         eps = torch.full((5,), epsilon, dtype=torch.float64)
-        bound = _pruned_mass_bound(A, kept, torch.logsumexp(rest / epsilon, -1), eps, "ot")
+        rel = torch.logsumexp((rest - kept[:, -1:]) / epsilon, -1)
+        bound = _pruned_mass_bound(A, kept, rel, eps, "ot")
         true = full.sum(-1).sum(-1) - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum(-1).sum(-1)
         assert bool((true <= bound + 1e-12).all()), (true, bound)
-    A2 = torch.softmax(kept / epsilon, -1)  # rank 0 of softmax_k_times: exact pruned mass S_p / (S_p + S)
-    from softtopk_fairseq.ops import softmax_k_times
+    # softmax_k_times, rank 0: the exact pruned mass S_p / (S_p + S).
     A2 = softmax_k_times(kept, 1, temperature=epsilon)
-    got = _pruned_mass_bound(A2, kept, torch.logsumexp(rest / epsilon, -1), eps, "softmax_k_times")
+    got = _pruned_mass_bound(A2, kept, rel, eps, "softmax_k_times")
     want = 1 - torch.softmax(scores / epsilon, -1).gather(1, idx).sum(-1)
     torch.testing.assert_close(got, want)
 
@@ -217,6 +217,24 @@ def test_rho_mixes_the_two_losses():
     for key in ("loss", "nll_loss", "tf_loss", "soft_loss", "soft_topk_iters", "pruned_mass"):
         assert key in log
     assert log0["nll_loss"] == log0["soft_loss"]  # rho = 0: no teacher-forcing pass, nll is the beam's
+
+
+def test_sample_mode_draws_one_loss_per_batch_with_probability_rho():
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float64)
+    sample = batch(d)
+    task = TinyTask(d)
+    tf, _, _ = _criterion(task, 1.0)(model, sample)
+    soft, _, _ = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    crit = _criterion(task, 0.7, soft_topk_epsilon=0.5, teacher_forcing_mode="sample")
+    torch.manual_seed(0)
+    picks = []
+    for _ in range(40):
+        loss, _, log = crit(model, sample)
+        picks.append("tf_loss" in log)
+        assert ("tf_loss" in log) != ("soft_loss" in log)
+        torch.testing.assert_close(loss, tf if picks[-1] else soft)
+    assert 0.45 < sum(picks) / len(picks) < 0.95  # Binomial(40, 0.7): outside this with p < 1e-3
 
 
 def test_criterion_rejects_bad_flags():

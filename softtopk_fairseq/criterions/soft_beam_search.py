@@ -6,7 +6,9 @@
 gold-token NLL along the best beam of a beam search run inside training with its top-k relaxed
 (:func:`softtopk_fairseq.modules.soft_beam_search.soft_beam_search`). Both are sums over the batch, so they
 share fairseq's sample size (target tokens, or sentences with ``--sentence-avg``). ``rho = 1`` is exactly
-``label_smoothed_cross_entropy``; ``rho = 0`` trains through the beam search only.
+``label_smoothed_cross_entropy``; ``rho = 0`` trains through the beam search only. With
+``--teacher-forcing-mode sample`` each batch takes one of the two losses (L_tf with probability rho), which is
+the same objective in expectation and costs ``rho * t_tf + (1 - rho) * t_soft`` per update instead of the sum.
 
 The soft beam search calls ``model.encoder`` and ``model.decoder`` directly: use it with fairseq's
 ``legacy_ddp`` (or no) data parallelism, whose gradient all-reduce does not depend on ``model.forward``.
@@ -15,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
@@ -31,6 +34,10 @@ from softtopk_fairseq.ops.soft_topk import SCALINGS
 class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
     teacher_forcing_ratio: float = field(
         default=0.8, metadata={"help": "rho in L = rho * L_tf + (1 - rho) * L_SOFT (1 = teacher forcing only)"})
+    teacher_forcing_mode: ChoiceEnum(["sum", "sample"]) = field(
+        default="sum", metadata={"help": "'sum': both losses on every batch, weighted (the paper); 'sample': each "
+                                         "batch uses L_tf with probability rho, else L_SOFT -- the same "
+                                         "objective in expectation at a fraction of the cost"})
     soft_beam_size: int = field(default=5, metadata={"help": "beam size k of the beam search run in training"})
     soft_topk_method: ChoiceEnum(RELAXATIONS) = field(
         default="ot", metadata={"help": "relaxed top-k: 'ot' (sorted SOFT top-k) or 'softmax_k_times' "
@@ -53,7 +60,7 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 teacher_forcing_ratio=0.8, soft_beam_size=5, soft_topk_method="ot", soft_topk_epsilon=0.1,
+                 teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot", soft_topk_epsilon=0.1,
                  soft_topk_scaling="none", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
@@ -68,6 +75,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         if ignore_prefix_size > 0:
             raise ValueError("soft_beam_search does not support --ignore-prefix-size")
         self.rho = teacher_forcing_ratio
+        self.sample_mode = str(teacher_forcing_mode) == "sample"
         self.search_options = dict(
             beam=soft_beam_size, relaxation=str(soft_topk_method), epsilon=soft_topk_epsilon,
             scaling=str(soft_topk_scaling), tol=soft_topk_tol, max_iter=soft_topk_max_iter,
@@ -81,13 +89,20 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         logging_output = {"ntokens": sample["ntokens"], "nsentences": sample["target"].size(0),
                           "sample_size": sample_size}
         loss = tf_loss = nll_loss = None
-        if self.rho > 0:
+        use_tf, use_soft = self.rho > 0, self.rho < 1
+        if self.sample_mode and use_tf and use_soft:
+            # One draw per batch from torch's RNG, which fairseq seeds per update: reproducible, and the same
+            # on every worker. Unbiased: E[L] = rho * L_tf + (1 - rho) * L_SOFT.
+            use_tf = bool(torch.rand(()) < self.rho)
+            use_soft = not use_tf
+        if use_tf:
             tf_loss, _, tf_log = super().forward(model, sample, reduce=True)
             nll_loss = tf_log["nll_loss"]
             logging_output.update({k: v for k, v in tf_log.items() if k in ("n_correct", "total")})
             logging_output["tf_loss"] = tf_loss.data
+            logging_output["tf_ntokens"] = sample["ntokens"]
             loss = tf_loss
-        if self.rho < 1:
+        if use_soft:
             net_input = sample["net_input"]
             out = soft_beam_search(model, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
                                    pad=self.padding_idx, eos=self.eos, **self.search_options)
@@ -97,7 +112,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
                 nll_loss = soft_loss.data  # no teacher-forcing pass: report the beam-search NLL
             steps = out.solver_iterations.numel()
             logging_output.update({
-                "soft_loss": soft_loss.data,
+                "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"],
                 "soft_topk_iters": float(out.solver_iterations.sum()), "soft_topk_steps": steps,
                 "soft_topk_err_max": float(out.solver_error.max()) if steps else 0.0,
                 "pruned_mass": float(out.pruned_mass.sum()),
@@ -110,11 +125,11 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
-        ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
-        for key in ("tf_loss", "soft_loss"):
-            if any(key in log for log in logging_outputs):
-                total = sum(log.get(key, 0) for log in logging_outputs)
-                metrics.log_scalar(key, total / ntokens / math.log(2), ntokens, round=3)
+        for key in ("tf", "soft"):
+            ntokens = sum(log.get(f"{key}_ntokens", 0) for log in logging_outputs)
+            if ntokens:  # per token of the batches that computed it (all of them with --teacher-forcing-mode sum)
+                total = sum(log.get(f"{key}_loss", 0) for log in logging_outputs)
+                metrics.log_scalar(f"{key}_loss", total / ntokens / math.log(2), ntokens, round=3)
         steps = sum(log.get("soft_topk_steps", 0) for log in logging_outputs)
         if steps:
             iters = sum(log.get("soft_topk_iters", 0) for log in logging_outputs)

@@ -45,32 +45,34 @@ class SoftBeamOutput(NamedTuple):
     pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
 
 
-def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_lse: Tensor, eps: Tensor, relaxation: str) -> Tensor:
+def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_log_sum: Tensor, eps: Tensor, relaxation: str) -> Tensor:
     r"""Upper bound on the rank mass the pruned candidates would get, per row.
+
+    ``kept`` (rows, M) are the kept scores, ``A`` their relaxed top-k, ``x_w`` the weakest kept score and
+    ``pruned_log_sum`` :math:`= \log \sum_p e^{(x_p - x_w)/\varepsilon}` over the pruned candidates.
 
     OT: at the kept problem's dual potentials a candidate of score ``x`` gets
     :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
     candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
     over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
-    the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). softmax_k_times: the exact mass ``S_p / (S_p + S_l)`` of each
-    rank's softmax summed over ranks (``S`` = sums of ``exp(x / T)``). ``pruned_lse`` is
-    ``logsumexp(x_p / eps)`` over the pruned candidates.
+    the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). softmax_k_times: the exact
+    mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of ``exp(x / T)``).
     """
+    weakest = kept.argmin(-1, keepdim=True)
+    x_w = kept.gather(-1, weakest)
+    tiny = torch.finfo(A.dtype).tiny
     if relaxation == "ot":
-        weakest = kept.argmin(-1, keepdim=True)
-        x_w = kept.gather(-1, weakest).squeeze(-1)
         rank_mass = A.gather(1, weakest.unsqueeze(-1).expand(-1, 1, A.shape[-1])).squeeze(1).sum(-1)
-        rest = (1 - rank_mass).clamp_min(torch.finfo(A.dtype).tiny)
-        log_bound = torch.log(rank_mass.clamp_min(torch.finfo(A.dtype).tiny)) - torch.log(rest) \
-            + pruned_lse - x_w / eps
+        log_bound = torch.log(rank_mass.clamp_min(tiny)) - torch.log((1 - rank_mass).clamp_min(tiny)) \
+            + pruned_log_sum
         return torch.exp(log_bound.clamp(max=math.log(A.shape[-1])))  # the pruned mass is at most k anyway
     # softmax_k_times: rank l removes the hard top-l kept candidates from the denominator.
-    logits = kept / eps.unsqueeze(-1)
+    logits = (kept - x_w) / eps.unsqueeze(-1)
     top = torch.sort(logits, -1, descending=True).values[..., : A.shape[-1]]
     lse_all = torch.logsumexp(logits, -1, keepdim=True)
     removed = torch.cumsum(torch.exp(top - lse_all), -1) - torch.exp(top - lse_all)  # mass of the top-l
-    lse_kept = lse_all + torch.log((1 - removed).clamp_min(torch.finfo(A.dtype).tiny))
-    return torch.sigmoid(pruned_lse.unsqueeze(-1) - lse_kept).sum(-1)
+    lse_kept = lse_all + torch.log((1 - removed).clamp_min(tiny))
+    return torch.sigmoid(pruned_log_sum.unsqueeze(-1) - lse_kept).sum(-1)
 
 
 def _log_probs(model, net_output) -> Tensor:
@@ -115,6 +117,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
     incremental_state = {}
     prefix = torch.full((bsz * k, 1), eos, dtype=torch.long, device=device)
+    banned = torch.tensor([pad, eos], device=device)
     cum: Optional[Tensor] = None
     V: Optional[int] = None
     gold_lp, final_lp, parents, tokens, cums = [], [], [], [], []
@@ -137,14 +140,21 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             if t == T - 1:
                 break
 
-            banned = torch.zeros(V, dtype=torch.bool, device=device)
-            banned[[pad, eos]] = True
-            cand = (cum.unsqueeze(-1) + lprobs.masked_fill(banned, -torch.inf)).view(bsz, k * V)
             exact = candidates <= 0 or candidates >= k * V
             if exact:
-                kept, kept_idx = cand, None
+                cand = cum.unsqueeze(-1) + lprobs
+                cand[:, :, banned] = -torch.inf  # in place on a fresh tensor: add's backward does not need it
+                kept, kept_idx = cand.view(bsz, k * V), None
             else:
-                kept, kept_idx = torch.topk(cand, candidates, dim=1)
+                # Select without autograd, then gather the M kept scores differentiably: the backward then
+                # touches M entries per sentence instead of k*V.
+                with torch.no_grad():
+                    cand = cum.unsqueeze(-1) + lprobs
+                    cand[:, :, banned] = -torch.inf
+                    cand = cand.view(bsz, k * V)
+                    top, kept_idx = torch.topk(cand, candidates, dim=1)
+                kept = cum.gather(1, kept_idx // V) + lprobs.view(bsz, k * V).gather(1, kept_idx)
+                kept = kept.masked_fill(top == -torch.inf, -torch.inf)  # banned tokens and dead beams stay out
             if relaxation == "ot":
                 A, info = soft_topk(kept, k, sorted=True, epsilon=epsilon, scaling=scaling, tol=tol,
                                     max_iter=max_iter, return_info=True)
@@ -152,14 +162,15 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                 errs.append(info.error.detach().max())
             else:
                 A = softmax_k_times(kept, k, temperature=epsilon)
-                iters.append(cand.new_zeros(()))
-                errs.append(cand.new_zeros(()))
+                iters.append(lprobs.new_zeros(()))
+                errs.append(lprobs.new_zeros(()))
             if not exact:
-                eps = effective_epsilon(kept, k, epsilon=epsilon, sorted=True,
-                                        scaling=scaling if relaxation == "ot" else "none")
-                rest = cand.detach().scatter(1, kept_idx, -torch.inf)
-                pruned_lse = torch.logsumexp(rest / eps.unsqueeze(-1), -1)
-                pruned += _pruned_mass_bound(A.detach(), kept.detach(), pruned_lse, eps, relaxation).float()
+                with torch.no_grad():
+                    eps = effective_epsilon(top, k, epsilon=epsilon, sorted=True,
+                                            scaling=scaling if relaxation == "ot" else "none")
+                    # log sum_p exp((x_p - x_w) / eps) over the pruned candidates, in place on cand.
+                    z = cand.sub_(top[:, -1:]).div_(eps.unsqueeze(-1)).exp_().scatter_(1, kept_idx, 0.0)
+                    pruned += _pruned_mass_bound(A.detach(), top, torch.log(z.sum(-1)), eps, relaxation).float()
 
             # Hard bookkeeping: the argmax candidate of each rank (App. I.2).
             best = A.detach().argmax(1)  # (bsz, k)

@@ -1,0 +1,148 @@
+"""Time per update and peak memory of ``soft_beam_search`` against ``label_smoothed_cross_entropy``.
+
+Same model, same batch (Multi30k-sized by default: 128 sentences, source 14 / target 16 tokens, an 8k joint
+vocabulary as in the README's sentencepiece run), the pipeline's demo-size LSTM and transformer. One update =
+criterion forward + backward + Adam step. Each configuration runs in its own process, so the peak resident
+memory it reports (``ru_maxrss``) is that configuration's own; the ratios are taken within one run.
+
+    .venv/bin/python benchmarks/bench_soft_beam.py                  # CPU, the figures in docs/results.md
+    .venv/bin/python benchmarks/bench_soft_beam.py --device cuda    # on a GPU (peak = max_memory_allocated)
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ARCHS = {
+    "lstm": dict(arch="lstm", encoder_embed_dim=128, decoder_embed_dim=128, encoder_hidden_size=256,
+                 decoder_hidden_size=256, decoder_out_embed_dim=128, encoder_bidirectional=True,
+                 share_decoder_input_output_embed=True, dropout=0.1),
+    "transformer": dict(arch="transformer", share_all_embeddings=True, encoder_layers=2, decoder_layers=2,
+                        encoder_embed_dim=128, decoder_embed_dim=128, encoder_ffn_embed_dim=256,
+                        decoder_ffn_embed_dim=256, encoder_attention_heads=4, decoder_attention_heads=4,
+                        dropout=0.1),
+}
+
+
+def child(cfg):
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import softtopk_fairseq.fairseq_plugin  # noqa: F401
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+    from fairseq.data import Dictionary
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+
+    d = Dictionary()
+    for i in range(cfg["vocab"] - d.nspecial):
+        d.add_symbol(f"w{i}")
+
+    class Task:
+        source_dictionary = target_dictionary = d
+
+    torch.manual_seed(0)
+    args = argparse.Namespace(criterion="x", max_source_positions=256, max_target_positions=256,
+                              **ARCHS[cfg["arch"]])
+    ARCH_CONFIG_REGISTRY[args.arch](args)
+    device = torch.device(cfg["device"])
+    model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, Task()).to(device).train()
+    bsz, S, T = cfg["bsz"], cfg["src_len"], cfg["tgt_len"]
+    src = torch.randint(d.nspecial, len(d), (bsz, S), device=device)
+    target = torch.randint(d.nspecial, len(d), (bsz, T), device=device)
+    target[:, -1] = d.eos()
+    prev = torch.cat([torch.full((bsz, 1), d.eos(), device=device), target[:, :-1]], 1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), S, device=device),
+                            "prev_output_tokens": prev},
+              "target": target, "ntokens": bsz * T, "nsentences": bsz}
+    if cfg["criterion"] == "tf":
+        criterion = LabelSmoothedCrossEntropyCriterion(Task(), False, 0.1)
+    else:
+        criterion = SoftBeamSearchCriterion(Task(), False, 0.1, teacher_forcing_ratio=cfg["rho"],
+                                            soft_beam_size=cfg["beam"], soft_beam_candidates=cfg["candidates"],
+                                            soft_topk_method=cfg["method"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times, log = [], {}
+    for i in range(cfg["repeats"] + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss, _, log = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:  # the first update warms up allocators and caches
+            times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": statistics.median(times), "peak_mib": peak,
+                      "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),
+                      "iters": float(log.get("soft_topk_iters", 0)) / max(log.get("soft_topk_steps", 1), 1)}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--archs", nargs="+", default=["lstm", "transformer"], choices=sorted(ARCHS))
+    p.add_argument("--candidates", nargs="+", type=int, default=[500, 50],
+                   help="--soft-beam-candidates values to run (0 = all k*V, exact)")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--rho", type=float, default=0.8)
+    p.add_argument("--method", default="ot", choices=["ot", "softmax_k_times"])
+    p.add_argument("--bsz", type=int, default=128)
+    p.add_argument("--src-len", type=int, default=14)
+    p.add_argument("--tgt-len", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        return child(json.loads(a.child))
+    base = dict(beam=a.beam, rho=a.rho, method=a.method, bsz=a.bsz, src_len=a.src_len, tgt_len=a.tgt_len,
+                vocab=a.vocab, repeats=a.repeats, threads=a.threads, device=a.device)
+
+    def measure(**cfg):
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**base, **cfg})],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(out.stderr[-3000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    print(f"batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, beam {a.beam}, rho {a.rho}, "
+          f"{a.method}, {a.threads} threads, {a.device}, median of {a.repeats} updates")
+    print("| arch | criterion | candidates M | s / update | x teacher forcing | peak MiB | x TF peak | "
+          "pruned-mass bound / step | solver iters |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for arch in a.archs:
+        tf = measure(arch=arch, criterion="tf", candidates=0)
+        print(f"| {arch} | label_smoothed_cross_entropy | - | {tf['seconds']:.3f} | 1.00 | {tf['peak_mib']:.0f} "
+              f"| 1.00 | - | - |", flush=True)
+        for m in a.candidates:
+            label = "all (exact)" if m <= 0 else str(m)
+            rows = [(f"soft_beam_search, rho {a.rho}, sum", measure(arch=arch, criterion="soft", candidates=m))]
+            if 0 < a.rho < 1:
+                only = measure(arch=arch, criterion="soft", candidates=m, rho=0.0)
+                rows.append(("soft_beam_search, rho 0 (L_SOFT only)", only))
+                # --teacher-forcing-mode sample: one of the two losses per batch, so its expected update time
+                # is the rho-weighted mean of the two measured times.
+                rows.append((f"soft_beam_search, rho {a.rho}, sample (expected: rho t_TF + (1-rho) t_SOFT)",
+                             dict(only, seconds=a.rho * tf["seconds"] + (1 - a.rho) * only["seconds"],
+                                  peak_mib=max(tf["peak_mib"], only["peak_mib"]))))
+            for name, r in rows:
+                print(f"| {arch} | {name} | {label} | {r['seconds']:.3f} | {r['seconds'] / tf['seconds']:.2f} "
+                      f"| {r['peak_mib']:.0f} | {r['peak_mib'] / tf['peak_mib']:.2f} | {r['pruned_mass']:.2e} "
+                      f"| {r['iters']:.1f} |", flush=True)
+
+if __name__ == "__main__":
+    main()
