@@ -26,7 +26,8 @@ def test_joint_bpe_round_trip(tmp_path, method):
 
 def _tiny_config(tmp_path, **kw):
     args = ["--workdir", str(tmp_path / "work"), "--toy-sizes", "120", "10", "8", "--bpe-size", "80",
-            "--size", "tiny", "--max-update", "2", "--max-tokens", "500", "--warmup", "1", "--beams", "1", "2"]
+            "--size", "tiny", "--max-update", "2", "--max-tokens", "500", "--warmup", "1", "--beams", "1", "2",
+            "--finetune-updates", "0"]
     for key, value in kw.items():
         args += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
     return run.parse_args(args)
@@ -40,8 +41,22 @@ def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch):
     assert all(0.0 <= b <= 100.0 for b in rows[0]["bleu"].values())
     results = (tmp_path / "work" / "results.md").read_text()
     assert "| teacher forcing |" in results and "BLEU beam 2" in results
-    hyps = text.read_lines(tmp_path / "work" / "logs" / "test.beam2.fr")
+    hyps = text.read_lines(tmp_path / "work" / "logs" / "tf" / "test.beam2.fr")
     assert len(hyps) == 8
+
+
+def test_pipeline_fine_tunes_with_soft_beam_search_against_teacher_forcing(tmp_path):
+    cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10)
+    rows = run.run_pipeline(cfg)
+    assert [r["run"].split(" (")[0] for r in rows] == ["teacher forcing", "+ 2 teacher forcing",
+                                                       "+ 2 soft beam search"]
+    assert [r["updates"] for r in rows] == [2, 4, 4]
+    log = (tmp_path / "work" / "logs" / "train.ft_soft_beam.log").read_text()
+    assert "soft_loss=" in log or "soft_loss " in log
+    assert "num_updates 2" in log and "loaded checkpoint" in log.lower()
+    for key in ("ft_tf", "ft_soft_beam"):
+        assert len(text.read_lines(tmp_path / "work" / "logs" / key / "test.beam1.fr")) == 8
+    assert "+ 2 soft beam search" in (tmp_path / "work" / "results.md").read_text()
 
 
 def test_pipeline_on_files_given_by_path(tmp_path):
@@ -57,7 +72,7 @@ def test_pipeline_on_files_given_by_path(tmp_path):
                        max_lines=60)
     rows = run.run_pipeline(cfg)
     assert len(text.read_lines(tmp_path / "work" / "raw" / "train.en")) == 60
-    assert len(text.read_lines(tmp_path / "work" / "logs" / "test.beam1.fr")) == 6
+    assert len(text.read_lines(tmp_path / "work" / "logs" / "tf" / "test.beam1.fr")) == 6
     assert rows[0]["updates"] == 2
 
 

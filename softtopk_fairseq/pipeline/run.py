@@ -1,4 +1,5 @@
-"""The offline demo pipeline: raw parallel text -> BPE -> fairseq-preprocess -> fairseq-train ->
+"""The offline demo pipeline: raw parallel text -> BPE -> fairseq-preprocess -> fairseq-train (teacher
+forcing) -> fine-tuning, continued teacher forcing vs soft beam search for the same number of updates ->
 fairseq-generate -> sacrebleu, ending with a results table.
 
     python -m softtopk_fairseq.pipeline                    # generated toy en->fr corpus (default)
@@ -78,6 +79,12 @@ class Config:
     beams: List[int] = field(default_factory=lambda: [1, 5])
     seed: int = 1
     threads: int = 0  # torch threads per fairseq process (0 = torch's default)
+    finetune_updates: int = 100  # 0 = no fine-tuning runs
+    finetune_lr: float = 1e-4
+    teacher_forcing_ratio: float = 0.8
+    soft_beam_size: int = 5
+    soft_topk_epsilon: float = 0.1
+    soft_beam_candidates: int = 50
 
 
 class Stage:
@@ -189,6 +196,29 @@ def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
     ]
 
 
+def finetune_args(cfg: Config, bin_dir: str, restore: str, save_dir: str, criterion: List[str]) -> List[str]:
+    """Continue from the pre-trained checkpoint for ``cfg.finetune_updates`` updates at a constant learning
+    rate (fresh optimizer and counters), with the given criterion arguments; same batches for every run."""
+    return [
+        bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed), *ARCH_ARGS[cfg.arch][cfg.size],
+        "--restore-file", restore, "--reset-optimizer", "--reset-lr-scheduler", "--reset-meters",
+        "--reset-dataloader", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+        "--lr", str(cfg.finetune_lr), "--lr-scheduler", "fixed", *criterion,
+        "--max-tokens", str(cfg.max_tokens), "--max-update", str(cfg.finetune_updates),
+        "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates", "0",
+        "--log-format", "simple", "--log-interval", "10", "--num-workers", "0", *KEEP_LAST_BATCH,
+    ]
+
+
+def finetune_runs(cfg: Config) -> Dict[str, List[str]]:
+    """Run name -> criterion arguments of the fine-tuning comparison."""
+    tf = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    soft = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1",
+            "--teacher-forcing-ratio", str(cfg.teacher_forcing_ratio), "--soft-beam-size", str(cfg.soft_beam_size),
+            "--soft-topk-epsilon", str(cfg.soft_topk_epsilon), "--soft-beam-candidates", str(cfg.soft_beam_candidates)]
+    return {"tf": tf, "soft_beam": soft}
+
+
 def generate_and_score(cfg: Config, bin_dir: str, checkpoint: str, raw_test: str, beam: int,
                        out_dir: str) -> float:
     """Decode the test split with ``fairseq-generate --beam``; return detokenised sacrebleu BLEU."""
@@ -234,7 +264,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
     for path in dirs.values():
         os.makedirs(path, exist_ok=True)
     env = subprocess_env(cfg)
-    total = 5
+    total = 6 if cfg.finetune_updates > 0 else 5
     source = "generated toy en->fr corpus" if not cfg.train else f"files {cfg.train}/{cfg.valid}/{cfg.test}"
     print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}")
 
@@ -255,21 +285,39 @@ def run_pipeline(cfg: Config) -> List[dict]:
             ],
             os.path.join(dirs["logs"], "preprocess.log"), env=env,
         )
-    rows = []
-    run_name = "teacher forcing"
-    save_dir = os.path.join(dirs["checkpoints"], "tf")
-    with Stage(4, total, f"fairseq-train ({run_name}, {cfg.arch}, {cfg.max_update} updates)") as stage:
-        run_logged(fairseq_cmd("train") + train_args(cfg, dirs["bin"], save_dir),
+    total = 6 if cfg.finetune_updates > 0 else 5
+    runs = [("tf", "teacher forcing", cfg.max_update)]
+    with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)") as stage:
+        run_logged(fairseq_cmd("train") + train_args(cfg, dirs["bin"], os.path.join(dirs["checkpoints"], "tf")),
                    os.path.join(dirs["logs"], "train.tf.log"), env=env)
-    train_seconds = stage.seconds
-    with Stage(5, total, "fairseq-generate + sacrebleu"):
-        bleu = {}
-        for beam in cfg.beams:
-            bleu[beam] = generate_and_score(cfg, dirs["bin"], os.path.join(save_dir, "checkpoint_last.pt"),
-                                            raw["test"], beam, dirs["logs"])
-            print(f"  {run_name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
-    rows.append({"run": run_name, "arch": cfg.arch, "updates": cfg.max_update, "train_s": train_seconds,
-                 "bleu": bleu})
+    seconds = {"tf": stage.seconds}
+    if cfg.finetune_updates > 0:
+        restore = os.path.join(dirs["checkpoints"], "tf", "checkpoint_last.pt")
+        n = cfg.finetune_updates
+        names = {"tf": f"+ {n} teacher forcing", "soft_beam": f"+ {n} soft beam search (rho {cfg.teacher_forcing_ratio}, "
+                 f"beam {cfg.soft_beam_size}, eps {cfg.soft_topk_epsilon}, M {cfg.soft_beam_candidates})"}
+        with Stage(5, total, f"fine-tuning: continued teacher forcing vs soft beam search, {n} updates each"):
+            for key, criterion in finetune_runs(cfg).items():
+                start_run = time.time()
+                run_logged(fairseq_cmd("train") + finetune_args(cfg, dirs["bin"], restore,
+                                                                os.path.join(dirs["checkpoints"], f"ft_{key}"),
+                                                                criterion),
+                           os.path.join(dirs["logs"], f"train.ft_{key}.log"), env=env)
+                seconds[f"ft_{key}"] = time.time() - start_run
+                runs.append((f"ft_{key}", names[key], cfg.max_update + n))
+    rows = []
+    with Stage(total, total, "fairseq-generate + sacrebleu"):
+        for key, run_name, updates in runs:
+            bleu = {}
+            for beam in cfg.beams:
+                out_dir = os.path.join(dirs["logs"], key)
+                os.makedirs(out_dir, exist_ok=True)
+                bleu[beam] = generate_and_score(cfg, dirs["bin"],
+                                                os.path.join(dirs["checkpoints"], key, "checkpoint_last.pt"),
+                                                raw["test"], beam, out_dir)
+                print(f"  {run_name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
+            rows.append({"run": run_name, "arch": cfg.arch, "updates": updates, "train_s": seconds[key],
+                         "bleu": bleu})
 
     table = results_table(rows, cfg.beams)
     elapsed = time.time() - start
@@ -305,6 +353,14 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
     p.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="beam sizes to evaluate")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="OMP threads per fairseq process (0: default)")
+    p.add_argument("--finetune-updates", type=int, default=100,
+                   help="updates of each fine-tuning run from the teacher-forcing checkpoint (0: skip)")
+    p.add_argument("--finetune-lr", type=float, default=1e-4, help="constant learning rate of the fine-tuning")
+    p.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="rho of the soft beam search run")
+    p.add_argument("--soft-beam-size", type=int, default=5)
+    p.add_argument("--soft-topk-epsilon", type=float, default=0.1)
+    p.add_argument("--soft-beam-candidates", type=int, default=50,
+                   help="candidates kept per sentence before the soft top-k (0: all k*V)")
     args = p.parse_args(argv)
     return Config(**{k.replace("-", "_"): v for k, v in vars(args).items()})
 
