@@ -12,3 +12,12 @@ def test_ops_import_neither_fairseq_nor_our_triton_kernels_on_cpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_modules_use_ops_but_not_fairseq():
+    code = ("import sys, torch\n"
+            "from softtopk_fairseq.modules import additive_attention, soft_beam_search, soft_reorder\n"
+            "print('fairseq' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -70,7 +70,8 @@ def test_pipeline_on_files_given_by_path(tmp_path):
         text.write_lines(data / f"{split}.fr", [p[1] for p in pairs])
     cfg = _tiny_config(tmp_path, train=data / "train", valid=data / "val", test=data / "test_2016",
                        max_lines=60)
-    rows = run.run_pipeline(cfg)
+    run.run_pipeline(cfg)
+    rows = run.run_pipeline(cfg)  # a second run in the same workdir starts afresh
     assert len(text.read_lines(tmp_path / "work" / "raw" / "train.en")) == 60
     assert len(text.read_lines(tmp_path / "work" / "logs" / "tf" / "test.beam1.fr")) == 6
     assert rows[0]["updates"] == 2

@@ -152,6 +152,21 @@ def test_pruning_keeps_hypotheses_and_its_mass_bound_holds():
     assert float(exact.pruned_mass.abs().sum()) == 0 and float(pruned.pruned_mass.min()) >= 0
 
 
+def test_more_candidates_than_live_ones_is_finite():
+    """M larger than the live candidates of step 0 (one beam, V - 2 tokens): -inf entries are kept, the bound
+    is 0 there and nothing turns NaN."""
+    d = dictionary(6)  # V = 10, so step 0 has 8 live candidates
+    model = build("lstm", d)
+    out = run(model, batch(d), d, beam=3, epsilon=0.5, candidates=20)
+    assert torch.isfinite(out.nll).all() and torch.isfinite(out.pruned_mass).all()
+    out.nll.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    for relaxation in ("ot", "softmax_k_times"):
+        with torch.no_grad():
+            out = run(model, batch(d), d, beam=3, epsilon=0.5, candidates=28, relaxation=relaxation)
+        assert torch.isfinite(out.pruned_mass).all() and float(out.pruned_mass.min()) >= 0
+
+
 @pytest.mark.parametrize("epsilon", [0.05, 0.3, 1.0])
 def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
     """The bound is derived at the kept problem's potentials; check it also bounds the mass that the pruned

@@ -48,7 +48,7 @@ class SoftBeamOutput(NamedTuple):
 def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_log_sum: Tensor, eps: Tensor, relaxation: str) -> Tensor:
     r"""Upper bound on the rank mass the pruned candidates would get, per row.
 
-    ``kept`` (rows, M) are the kept scores, ``A`` their relaxed top-k, ``x_w`` the weakest kept score and
+    ``kept`` (rows, M) are the kept scores, ``A`` their relaxed top-k, ``x_w`` the weakest finite kept score and
     ``pruned_log_sum`` :math:`= \log \sum_p e^{(x_p - x_w)/\varepsilon}` over the pruned candidates.
 
     OT: at the kept problem's dual potentials a candidate of score ``x`` gets
@@ -58,7 +58,7 @@ def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_log_sum: Tensor, eps: Ten
     the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). softmax_k_times: the exact
     mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of ``exp(x / T)``).
     """
-    weakest = kept.argmin(-1, keepdim=True)
+    weakest = torch.where(kept > -torch.inf, kept, torch.inf).argmin(-1, keepdim=True)
     x_w = kept.gather(-1, weakest)
     tiny = torch.finfo(A.dtype).tiny
     if relaxation == "ot":
@@ -120,7 +120,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     banned = torch.tensor([pad, eos], device=device)
     cum: Optional[Tensor] = None
     V: Optional[int] = None
-    gold_lp, final_lp, parents, tokens, cums = [], [], [], [], []
+    gold_lp, final_lp, parents, tokens = [], [], [], []
     iters, errs = [], []
     pruned = target.new_zeros(bsz, dtype=torch.float)
     base = (torch.arange(bsz, device=device) * k).unsqueeze(1)
@@ -136,7 +136,6 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                 cum[:, 0] = 0
             gold_lp.append(lprobs.gather(2, target[:, t].view(bsz, 1, 1).expand(bsz, k, 1)).squeeze(2))
             final_lp.append((cum + lprobs[:, :, eos]).detach())
-            cums.append(cum.detach())
             if t == T - 1:
                 break
 
@@ -168,8 +167,10 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                 with torch.no_grad():
                     eps = effective_epsilon(top, k, epsilon=epsilon, sorted=True,
                                             scaling=scaling if relaxation == "ot" else "none")
-                    # log sum_p exp((x_p - x_w) / eps) over the pruned candidates, in place on cand.
-                    z = cand.sub_(top[:, -1:]).div_(eps.unsqueeze(-1)).exp_().scatter_(1, kept_idx, 0.0)
+                    # log sum_p exp((x_p - x_w) / eps) over the pruned candidates, in place on cand; x_w is the
+                    # weakest finite kept score (if some kept ones are -inf, nothing finite was pruned: sum 0).
+                    x_w = torch.where(top > -torch.inf, top, torch.inf).amin(-1, keepdim=True)
+                    z = cand.sub_(x_w).div_(eps.unsqueeze(-1)).exp_().scatter_(1, kept_idx, 0.0)
                     pruned += _pruned_mass_bound(A.detach(), top, torch.log(z.sum(-1)), eps, relaxation).float()
 
             # Hard bookkeeping: the argmax candidate of each rank (App. I.2).

@@ -13,6 +13,7 @@ subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -261,6 +262,9 @@ def results_table(rows: List[dict], beams: List[int]) -> str:
 def run_pipeline(cfg: Config) -> List[dict]:
     start = time.time()
     dirs = {name: os.path.join(cfg.workdir, name) for name in ("raw", "bpe", "bin", "checkpoints", "logs")}
+    for name in ("bin", "checkpoints"):
+        # A previous run's outputs would make fairseq-preprocess refuse and fairseq-train resume: start fresh.
+        shutil.rmtree(dirs[name], ignore_errors=True)
     for path in dirs.values():
         os.makedirs(path, exist_ok=True)
     env = subprocess_env(cfg)
