@@ -18,3 +18,19 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def toy_data_bin(tmp_path_factory):
+    """A preprocessed tiny en->fr corpus (word level): 200 train, 20 valid, 12 test pairs."""
+    from fairseq_cli import fairseq
+    from softtopk_fairseq.pipeline import toy_corpus
+
+    root = tmp_path_factory.mktemp("toy_data")
+    for split, n, seed in (("train", 200, 1), ("valid", 20, 2), ("test", 12, 3)):
+        toy_corpus.write_split(str(root / split), n, seed)
+    fairseq("preprocess", "--source-lang", "en", "--target-lang", "fr", "--trainpref", root / "train",
+            "--validpref", root / "valid", "--testpref", root / "test", "--destdir", root / "bin",
+            "--joined-dictionary", "--workers", "1")
+    assert (root / "bin" / "dict.en.txt").exists() and (root / "bin" / "train.en-fr.en.bin").exists()
+    return root / "bin"

@@ -6,7 +6,6 @@ import re
 import pytest
 
 from fairseq_cli import USER_DIR, fairseq
-from softtopk_fairseq.pipeline import toy_corpus
 
 TINY_ARCHS = {
     "lstm": ["--arch", "lstm", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
@@ -18,18 +17,9 @@ TINY_ARCHS = {
 }
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    """A preprocessed tiny en->fr corpus (word level)."""
-    root = tmp_path_factory.mktemp("data")
-    for split, n, seed in (("train", 200, 1), ("valid", 20, 2), ("test", 12, 3)):
-        toy_corpus.write_split(str(root / split), n, seed)
-    bin_dir = root / "bin"
-    fairseq("preprocess", "--source-lang", "en", "--target-lang", "fr",
-            "--trainpref", root / "train", "--validpref", root / "valid", "--testpref", root / "test",
-            "--destdir", bin_dir, "--joined-dictionary", "--workers", "1")
-    assert (bin_dir / "dict.en.txt").exists() and (bin_dir / "train.en-fr.en.bin").exists()
-    return bin_dir
+@pytest.fixture
+def data_bin(toy_data_bin):
+    return toy_data_bin
 
 
 def train(data_bin, save_dir, arch, max_update):

@@ -6,7 +6,6 @@ import subprocess
 import pytest
 
 from fairseq_cli import USER_DIR, fairseq, fairseq_cmd
-from softtopk_fairseq.pipeline import toy_corpus
 
 ARCH_ARGS = {
     "rnnsearch": ["--arch", "rnnsearch", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
@@ -23,15 +22,9 @@ SOFT_BEAM = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1", "--t
              "--soft-beam-size", "3", "--soft-beam-candidates", "20"]
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    for split, n, seed in (("train", 200, 1), ("valid", 20, 2), ("test", 12, 3)):
-        toy_corpus.write_split(str(root / split), n, seed)
-    fairseq("preprocess", "--source-lang", "en", "--target-lang", "fr", "--trainpref", root / "train",
-            "--validpref", root / "valid", "--testpref", root / "test", "--destdir", root / "bin",
-            "--joined-dictionary", "--workers", "1")
-    return root / "bin"
+@pytest.fixture
+def data_bin(toy_data_bin):
+    return toy_data_bin
 
 
 def train_args(data_bin, save_dir, arch, max_update, *extra):

@@ -26,10 +26,10 @@ def dictionary(n_words=16):
     return d
 
 
-def build(arch, d, seed=0, dtype=torch.float64, dropout=0.0):
+def build(arch, d, seed=0, dtype=torch.float64, dropout=0.0, **extra):
     torch.manual_seed(seed)
     args = argparse.Namespace(arch=arch, criterion="cross_entropy", dropout=dropout, max_source_positions=64,
-                              max_target_positions=64, **TINY)
+                              max_target_positions=64, **TINY, **extra)
     ARCH_CONFIG_REGISTRY[arch](args)
     model = ARCH_MODEL_REGISTRY[arch].build_model(args, TinyTask(d)).to(dtype)
     # fairseq's tiny initialisations give near-uniform outputs; sharpen them so beams are well separated.

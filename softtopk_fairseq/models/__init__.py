@@ -1,2 +1,2 @@
 """fairseq model architectures of softtopk-fairseq (registered on import)."""
-from softtopk_fairseq.models import rnnsearch  # noqa: F401
+from softtopk_fairseq.models import rnnsearch, topk_attention  # noqa: F401

@@ -8,7 +8,8 @@ Given scores :math:`s_j` over the keys (``-inf`` = masked: padding, causal futur
   keys, and training stays end to end);
 * ``"hard"``    -- hard top-k attention (Explicit Sparse Transformer): softmax over the k largest scores.
 
-Rows with at most k valid keys attend to all of them (``A = 1`` there, so all three equal softmax). ``log A``
+Rows with at most k valid keys attend to all of them (``A = 1`` there, so all three equal softmax); fully
+masked rows get all-zero weights (plain softmax would give NaN). ``log A``
 is taken of ``A`` floored at ``LOG_FLOOR``: a key that far outside the top k gets weight
 ``<= 1e-30 * softmax``, and its gradient through ``log`` is cut instead of overflowing to NaN.
 """
@@ -33,18 +34,17 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilo
     if k < 1:
         raise ValueError(f"topk_attention_weights: k must be >= 1, got {k}")
     x = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
-    n = x.shape[dim]
-    if mode == "softmax" or k >= n:
-        return torch.softmax(x, dim=dim).to(scores.dtype)
     valid = x > -torch.inf
-    if mode == "hard":
+    if mode == "softmax" or k >= x.shape[dim]:
+        pass
+    elif mode == "hard":
         kth = torch.topk(x, k, dim=dim).values.narrow(dim, k - 1, 1)
         x = x.masked_fill(x < kth, -torch.inf)
     else:
         # soft_topk treats rows with <= k valid keys as "select all" (A = 1 on valid keys).
         a = soft_topk(x, k, dim=dim, epsilon=epsilon)
         x = torch.where(valid, x + torch.log(a.clamp_min(LOG_FLOOR)), x)
-    # A fully masked row (e.g. padding queries) would be softmax(-inf...) = NaN: give it zeros instead.
+    # A fully masked row (e.g. a padding query) would be softmax(-inf, ...) = NaN: give it zeros instead.
     alive = valid.any(dim=dim, keepdim=True)
     weights = torch.softmax(torch.where(alive, x, torch.zeros_like(x)), dim=dim)
     return torch.where(alive & valid, weights, torch.zeros_like(weights)).to(scores.dtype)

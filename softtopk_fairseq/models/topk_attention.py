@@ -1,0 +1,223 @@
+"""Top-k attention in fairseq's own attention layers, and the ``transformer_topk_attn`` / ``lstm_topk_attn``
+architectures (paper App. I.3). The weights come from
+:func:`softtopk_fairseq.modules.topk_attention.topk_attention_weights`; here they are only wired in.
+
+Stock layers are built by fairseq as usual and then given the top-k class (``layer.__class__ = ...``): the
+parameters, state-dict keys, projections, masking and incremental caching stay fairseq's, and checkpoints of
+the stock and top-k models load into each other. What changes is the step from masked scores to weights.
+
+Flags (all architectures):
+
+* ``--topk-attn-k K`` keys per query, ``--topk-attn-epsilon`` SOFT top-k temperature (attention-logit units);
+* ``--topk-attn-mode {soft,hard,softmax}`` the weights used in training: SOFT top-k, hard top-k (Explicit
+  Sparse Transformer), or plain softmax -- one model definition for all three rows of a comparison;
+* ``--topk-attn-inference {same,soft,hard,softmax}`` the weights in eval mode (``fairseq-generate``; override a
+  checkpoint's with ``--model-overrides "{'topk_attn_inference': 'hard'}"``);
+* transformer only: ``--topk-attn-layers`` which attentions use it, a comma list of ``encoder-decoder``
+  (default), ``decoder-self``, ``encoder-self``.
+"""
+from typing import Optional
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.lstm import AttentionLayer, LSTMModel
+from fairseq.models.lstm import base_architecture as lstm_base_architecture
+from fairseq.models.transformer import TransformerModel
+from fairseq.models.transformer import base_architecture as transformer_base_architecture
+from fairseq.models.transformer import (transformer_iwslt_de_en, transformer_vaswani_wmt_en_de_big,
+                                        transformer_wmt_en_de)
+from fairseq.modules import MultiheadAttention
+from torch import Tensor
+
+from softtopk_fairseq.modules.topk_attention import MODES, topk_attention_weights
+
+ATTENTION_KINDS = ("encoder-decoder", "decoder-self", "encoder-self")
+
+
+class TopkAttentionMixin:
+    """Mode switching shared by the top-k attention layers."""
+
+    topk_k: int
+    topk_epsilon: float
+    topk_mode: str
+    topk_inference: str
+
+    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str):
+        if mode not in MODES or inference not in MODES + ("same",):
+            raise ValueError(f"top-k attention: mode {mode!r} / inference {inference!r} not in {MODES}")
+        if k < 1 or not epsilon > 0:
+            raise ValueError(f"top-k attention: need --topk-attn-k >= 1 and --topk-attn-epsilon > 0, got {k}, {epsilon}")
+        self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
+        return self
+
+    @property
+    def active_topk_mode(self) -> str:
+        if self.training or self.topk_inference == "same":
+            return self.topk_mode
+        return self.topk_inference
+
+    def topk_weights(self, scores: Tensor, dim: int) -> Tensor:
+        return topk_attention_weights(scores, self.topk_k, mode=self.active_topk_mode, epsilon=self.topk_epsilon,
+                                      dim=dim)
+
+
+class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
+    """fairseq's ``MultiheadAttention`` with top-k weights; everything up to the masked scores is fairseq's
+    (``before_softmax=True``), the rest mirrors its tail."""
+
+    @classmethod
+    def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference) -> "TopkMultiheadAttention":
+        layer.__class__ = cls
+        # PyTorch's fused attention would skip the scores; fairseq bypasses it when this flag is set.
+        layer.skip_embed_dim_check = True
+        return layer.configure_topk(k, epsilon, mode, inference)
+
+    def forward(self, query, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask=None,
+                incremental_state=None, need_weights: bool = True, static_kv: bool = False, attn_mask=None,
+                before_softmax: bool = False, need_head_weights: bool = False):
+        scores, v = super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                    incremental_state=incremental_state, need_weights=need_weights,
+                                    static_kv=static_kv, attn_mask=attn_mask, before_softmax=True)
+        if before_softmax:
+            return scores, v
+        if need_head_weights:
+            need_weights = True
+        tgt_len, bsz = query.size(0), query.size(1)
+        src_len = scores.size(-1)
+        weights_float = self.topk_weights(scores.float() if scores.dtype == torch.float16 else scores, dim=-1)
+        probs = self.dropout_module(weights_float.type_as(scores))
+        kv_bsz = v.size(0) // self.num_heads
+        if self.encoder_decoder_attention and bsz != kv_bsz:  # fairseq's beam-shared encoder keys
+            attn = torch.einsum("bxhts,bhsd->bxhtd",
+                                probs.view((kv_bsz, -1, self.num_heads) + probs.size()[1:]),
+                                v.view((kv_bsz, self.num_heads) + v.size()[1:]))
+            attn = attn.reshape((-1,) + attn.size()[-2:])
+        else:
+            attn = torch.bmm(probs, v)
+        attn = self.out_proj(attn.transpose(0, 1).contiguous().view(tgt_len, bsz, self.embed_dim))
+        out_weights: Optional[Tensor] = None
+        if need_weights:
+            out_weights = weights_float.view(bsz, self.num_heads, tgt_len, src_len).transpose(1, 0)
+            if not need_head_weights:
+                out_weights = out_weights.mean(dim=0)
+        return attn, out_weights
+
+
+class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
+    """fairseq's LSTM ``AttentionLayer`` (dot-product scores over source positions) with top-k weights."""
+
+    @classmethod
+    def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference) -> "TopkAttentionLayer":
+        layer.__class__ = cls
+        return layer.configure_topk(k, epsilon, mode, inference)
+
+    def forward(self, input, source_hids, encoder_padding_mask):
+        # input: bsz x input_embed_dim; source_hids: srclen x bsz x source_embed_dim
+        x = self.input_proj(input)
+        scores = (source_hids * x.unsqueeze(0)).sum(dim=2)
+        if encoder_padding_mask is not None:
+            scores = scores.float().masked_fill(encoder_padding_mask, float("-inf"))
+        weights = self.topk_weights(scores, dim=0).type_as(source_hids)  # srclen x bsz
+        x = (weights.unsqueeze(2) * source_hids).sum(dim=0)
+        return torch.tanh(self.output_proj(torch.cat((x, input), dim=1))), weights
+
+
+def add_topk_args(parser, layers: bool):
+    parser.add_argument("--topk-attn-k", type=int, metavar="K", help="keys each query attends to")
+    parser.add_argument("--topk-attn-epsilon", type=float, metavar="EPS",
+                        help="SOFT top-k temperature, in attention-logit units")
+    parser.add_argument("--topk-attn-mode", choices=MODES, help="attention weights in training")
+    parser.add_argument("--topk-attn-inference", choices=MODES + ("same",),
+                        help="attention weights in eval mode / fairseq-generate ('same' = as in training)")
+    if layers:
+        parser.add_argument("--topk-attn-layers", metavar="KINDS",
+                            help=f"comma list of attentions using top-k: {', '.join(ATTENTION_KINDS)}")
+
+
+def topk_options(args):
+    return dict(k=args.topk_attn_k, epsilon=args.topk_attn_epsilon, mode=args.topk_attn_mode,
+                inference=args.topk_attn_inference)
+
+
+def topk_defaults(args):
+    args.topk_attn_k = getattr(args, "topk_attn_k", 8)
+    args.topk_attn_epsilon = getattr(args, "topk_attn_epsilon", 0.1)
+    args.topk_attn_mode = getattr(args, "topk_attn_mode", "soft")
+    args.topk_attn_inference = getattr(args, "topk_attn_inference", "same")
+
+
+@register_model("transformer_topk_attn")
+class TransformerTopkAttnModel(TransformerModel):
+    @staticmethod
+    def add_args(parser):
+        TransformerModel.add_args(parser)
+        add_topk_args(parser, layers=True)
+
+    @classmethod
+    def build_model(cls, args, task):
+        model = super().build_model(args, task)
+        kinds = [kind.strip() for kind in args.topk_attn_layers.split(",") if kind.strip()]
+        unknown = sorted(set(kinds) - set(ATTENTION_KINDS))
+        if unknown or not kinds:
+            raise ValueError(f"--topk-attn-layers: unknown or empty {unknown or kinds}; choose from {ATTENTION_KINDS}")
+        options = topk_options(args)
+        for layer in model.decoder.layers:
+            if "encoder-decoder" in kinds and layer.encoder_attn is not None:
+                TopkMultiheadAttention.convert(layer.encoder_attn, **options)
+            if "decoder-self" in kinds:
+                TopkMultiheadAttention.convert(layer.self_attn, **options)
+        if "encoder-self" in kinds:
+            for layer in model.encoder.layers:
+                TopkMultiheadAttention.convert(layer.self_attn, **options)
+        return model
+
+
+def _transformer_topk_defaults(args):
+    topk_defaults(args)
+    args.topk_attn_layers = getattr(args, "topk_attn_layers", "encoder-decoder")
+
+
+@register_model_architecture("transformer_topk_attn", "transformer_topk_attn")
+def transformer_topk_attn(args):
+    _transformer_topk_defaults(args)
+    transformer_base_architecture(args)
+
+
+@register_model_architecture("transformer_topk_attn", "transformer_topk_attn_iwslt_de_en")
+def transformer_topk_attn_iwslt_de_en(args):
+    _transformer_topk_defaults(args)
+    transformer_iwslt_de_en(args)
+
+
+@register_model_architecture("transformer_topk_attn", "transformer_topk_attn_wmt_en_de")
+def transformer_topk_attn_wmt_en_de(args):
+    _transformer_topk_defaults(args)
+    transformer_wmt_en_de(args)
+
+
+@register_model_architecture("transformer_topk_attn", "transformer_topk_attn_vaswani_wmt_en_de_big")
+def transformer_topk_attn_vaswani_wmt_en_de_big(args):
+    _transformer_topk_defaults(args)
+    transformer_vaswani_wmt_en_de_big(args)
+
+
+@register_model("lstm_topk_attn")
+class LSTMTopkAttnModel(LSTMModel):
+    @staticmethod
+    def add_args(parser):
+        LSTMModel.add_args(parser)
+        add_topk_args(parser, layers=False)
+
+    @classmethod
+    def build_model(cls, args, task):
+        model = super().build_model(args, task)
+        if model.decoder.attention is None:
+            raise ValueError("lstm_topk_attn needs --decoder-attention True")
+        TopkAttentionLayer.convert(model.decoder.attention, **topk_options(args))
+        return model
+
+
+@register_model_architecture("lstm_topk_attn", "lstm_topk_attn")
+def lstm_topk_attn(args):
+    topk_defaults(args)
+    lstm_base_architecture(args)

@@ -1,0 +1,146 @@
+"""Top-k attention: the weights function, the fairseq layers, and the architectures (Python level)."""
+import copy
+
+import pytest
+import torch
+
+from fairseq.models.lstm import AttentionLayer
+from fairseq.modules import MultiheadAttention
+from softtopk_fairseq.models.topk_attention import TopkAttentionLayer, TopkMultiheadAttention
+from softtopk_fairseq.modules.topk_attention import MODES, topk_attention_weights
+from tiny_models import batch, build, dictionary
+
+NEG = -torch.inf
+
+
+# ------------------------------------------------------------------------------- the weights ----------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_k_at_least_the_valid_keys_is_softmax(mode):
+    torch.manual_seed(0)
+    scores = torch.randn(4, 3, 6, dtype=torch.float64)
+    scores[0, :, 4:] = NEG                      # 4 valid keys in row 0
+    for k in (4, 6, 9):
+        got = topk_attention_weights(scores[:1], k, mode=mode, epsilon=0.05)
+        torch.testing.assert_close(got, torch.softmax(scores[:1], -1), rtol=1e-12, atol=1e-12)
+    got = topk_attention_weights(scores[1:], 6, mode=mode)
+    torch.testing.assert_close(got, torch.softmax(scores[1:], -1), rtol=1e-12, atol=1e-12)
+
+
+def test_hard_mode_keeps_exactly_the_top_k():
+    scores = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0]])
+    w = topk_attention_weights(scores, 2, mode="hard")
+    want = torch.softmax(torch.tensor([[3.0, NEG, 2.0, NEG, NEG]]), -1)
+    torch.testing.assert_close(w, want)
+
+
+def test_soft_mode_concentrates_on_k_keys_and_tends_to_hard():
+    torch.manual_seed(1)
+    # Well-separated scores (gaps >= 0.25), so epsilon = 1e-3 is far below every gap.
+    scores = torch.stack([torch.randperm(40) for _ in range(16)]).double() * 0.25
+    hard = topk_attention_weights(scores, 5, mode="hard")
+    soft = topk_attention_weights(scores, 5, mode="soft", epsilon=1e-3)
+    torch.testing.assert_close(soft, hard, atol=1e-6, rtol=0)
+    smooth = topk_attention_weights(scores, 5, mode="soft", epsilon=0.5)
+    top5 = torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(5, -1).indices, True)
+    plain = torch.softmax(scores, -1)
+    assert bool(((smooth * top5).sum(-1) > (plain * top5).sum(-1)).all())  # more mass on the top 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_masked_keys_get_zero_weight_and_zero_gradient_and_nothing_is_nan(mode):
+    torch.manual_seed(2)
+    scores = torch.randn(5, 10, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(5, 10, dtype=torch.bool)
+    mask[:, 7:] = True       # padding
+    mask[1, :] = True        # a fully masked row (e.g. a padding query)
+    mask[2, 2:] = True       # fewer valid keys (2) than k
+    w = topk_attention_weights(scores.masked_fill(mask, NEG), 3, mode=mode, epsilon=0.05)
+    assert torch.isfinite(w).all()
+    assert float(w.detach()[mask].abs().max()) == 0.0
+    torch.testing.assert_close(w.sum(-1), torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+    (w * torch.randn_like(w)).sum().backward()
+    assert torch.isfinite(scores.grad).all() and float(scores.grad[mask].abs().max()) == 0.0
+
+
+def test_soft_weights_gradcheck():
+    torch.manual_seed(3)
+    scores = torch.randn(3, 7, dtype=torch.float64)
+    scores[0, 5:] = NEG
+    scores.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda s: topk_attention_weights(s, 3, mode="soft", epsilon=0.3), (scores,))
+
+
+def test_far_keys_do_not_make_nan_gradients():
+    """A key far below the top k has A ~ 0 in float32; log A is floored, so no inf * 0."""
+    scores = torch.tensor([[10.0, 9.0, 8.0, -200.0, -1e4]], requires_grad=True)
+    w = topk_attention_weights(scores, 2, mode="soft", epsilon=0.01)
+    w[0, 0].backward()
+    assert torch.isfinite(scores.grad).all() and torch.isfinite(w).all()
+
+
+# -------------------------------------------------------------------------------- the layers ----------
+
+def test_multihead_attention_in_softmax_mode_equals_fairseq():
+    torch.manual_seed(4)
+    stock = MultiheadAttention(8, 2, dropout=0.0, encoder_decoder_attention=True)
+    topk = TopkMultiheadAttention.convert(copy.deepcopy(stock), k=3, epsilon=0.1, mode="softmax", inference="same")
+    q, kv = torch.randn(4, 3, 8), torch.randn(6, 3, 8)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[2, 4:] = True
+    a, wa = stock(q, kv, kv, key_padding_mask=pad, static_kv=True)
+    b, wb = topk(q, kv, kv, key_padding_mask=pad, static_kv=True)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(wa, wb)
+    topk.configure_topk(6, 0.1, "soft", "same")  # k >= number of keys: softmax again
+    torch.testing.assert_close(topk(q, kv, kv, key_padding_mask=pad, static_kv=True)[0], a)
+    topk.configure_topk(2, 0.1, "hard", "same")
+    _, w = topk(q, kv, kv, key_padding_mask=pad, static_kv=True)
+    assert int((w[:, 0] > 0).sum(-1).max()) <= 2 * 2  # head-averaged: at most k keys per head
+
+
+def test_lstm_attention_layer_in_softmax_mode_equals_fairseq_and_hard_selects_k():
+    torch.manual_seed(5)
+    stock = AttentionLayer(8, 6, 8)
+    topk = TopkAttentionLayer.convert(copy.deepcopy(stock), k=2, epsilon=0.1, mode="softmax", inference="same")
+    x, src = torch.randn(3, 8), torch.randn(5, 3, 6)
+    pad = torch.zeros(5, 3, dtype=torch.bool)
+    pad[3:, 1] = True
+    for got, want in zip(topk(x, src, pad), stock(x, src, pad)):
+        torch.testing.assert_close(got, want)
+    topk.configure_topk(2, 0.1, "hard", "same")
+    _, w = topk(x, src, pad)
+    assert (w > 0).sum(0).tolist() == [2, 2, 2] and float(w[pad].abs().max()) == 0.0
+
+
+def test_inference_mode_switches_only_in_eval():
+    layer = TopkAttentionLayer.convert(AttentionLayer(4, 4, 4), k=2, epsilon=0.1, mode="soft", inference="hard")
+    assert layer.train().active_topk_mode == "soft" and layer.eval().active_topk_mode == "hard"
+    layer.configure_topk(2, 0.1, "soft", "same")
+    assert layer.eval().active_topk_mode == "soft"
+    with pytest.raises(ValueError):
+        layer.configure_topk(0, 0.1, "soft", "same")
+
+
+# --------------------------------------------------------------------- incremental == full forward ----
+
+@pytest.mark.parametrize("arch,extra", [
+    ("transformer_topk_attn", dict(topk_attn_layers="encoder-decoder,decoder-self,encoder-self", topk_attn_k=2)),
+    ("lstm_topk_attn", dict(topk_attn_k=2)),
+])
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_incremental_decoding_equals_full_forward(arch, extra, mode):
+    d = dictionary(12)
+    model = build(arch, d, topk_attn_mode=mode, **extra).eval()
+    sample = batch(d)
+    ni = sample["net_input"]
+    with torch.no_grad():
+        full, _ = model(**ni)
+        enc = model.encoder(ni["src_tokens"], src_lengths=ni["src_lengths"])
+        state = {}
+        steps = [model.decoder(ni["prev_output_tokens"][:, : t + 1], encoder_out=enc, incremental_state=state)[0]
+                 for t in range(ni["prev_output_tokens"].size(1))]
+    real = ni["prev_output_tokens"].ne(d.pad())  # padded positions are garbage in fairseq either way
+    torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], rtol=1e-9, atol=1e-9)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert ("TopkMultiheadAttention" in kinds) or ("TopkAttentionLayer" in kinds)

@@ -1,0 +1,46 @@
+"""``transformer_topk_attn`` and ``lstm_topk_attn`` through fairseq's command lines."""
+import re
+
+import pytest
+
+from fairseq_cli import USER_DIR, fairseq
+
+ARCH_ARGS = {
+    "transformer_topk_attn": ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8",
+                              "--decoder-embed-dim", "8", "--encoder-ffn-embed-dim", "16",
+                              "--decoder-ffn-embed-dim", "16", "--encoder-attention-heads", "2",
+                              "--decoder-attention-heads", "2", "--topk-attn-layers", "encoder-decoder,decoder-self"],
+    "lstm_topk_attn": ["--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-hidden-size", "8",
+                       "--decoder-hidden-size", "8", "--decoder-out-embed-dim", "8"],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_ARGS))
+def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
+    save = tmp_path / "ckpt"
+    log = fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "3", "--arch", arch,
+                  *ARCH_ARGS[arch], "--topk-attn-k", "3", "--topk-attn-epsilon", "0.1", "--optimizer", "adam",
+                  "--lr", "0.005", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+                  "--max-tokens", "400", "--max-update", "3", "--save-dir", save, "--no-epoch-checkpoints",
+                  "--log-format", "simple", "--log-interval", "1", "--num-workers", "0",
+                  "--required-batch-size-multiple", "1").stdout
+    assert re.search(r"num_updates 3\b", log), log[-3000:]
+    assert "Topk" in log  # the model printout names the top-k attention layers
+    common = [toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--path", save / "checkpoint_last.pt",
+              "--gen-subset", "test", "--beam", "3", "--batch-size", "5", "--max-len-b", "20",
+              "--required-batch-size-multiple", "1", "--print-alignment"]
+    for overrides in (None, "{'topk_attn_inference': 'hard'}", "{'topk_attn_inference': 'softmax'}"):
+        extra = ["--model-overrides", overrides] if overrides else []
+        out = fairseq("generate", *common, *extra).stdout
+        assert sorted(map(int, re.findall(r"^H-(\d+)\t", out, flags=re.M))) == list(range(12)), out[-3000:]
+        assert re.search(r"^A-\d+\t\d+-\d+", out, flags=re.M), out[-2000:]  # alignments from the attention
+        if overrides:  # the override reaches the layers of the loaded model, as fairseq-generate loads it
+            import ast
+
+            from fairseq import checkpoint_utils
+
+            import softtopk_fairseq.fairseq_plugin  # noqa: F401
+            models, _ = checkpoint_utils.load_model_ensemble([str(save / "checkpoint_last.pt")],
+                                                             arg_overrides=ast.literal_eval(overrides))
+            modes = {m.topk_inference for m in models[0].modules() if hasattr(m, "topk_inference")}
+            assert modes == {ast.literal_eval(overrides)["topk_attn_inference"]}
