@@ -28,17 +28,16 @@ ARCHS = {
 }
 
 
-def child(cfg):
+def build_model_and_sample(cfg, extra_args=None):
+    """The demo-size model of ``cfg['arch']`` (``extra_args`` override its arguments) on an 8k dictionary, and a
+    random Multi30k-sized batch; returns (model, task, sample, device)."""
     import torch
 
     torch.set_num_threads(cfg["threads"])
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import softtopk_fairseq.fairseq_plugin  # noqa: F401
-    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
     from fairseq.data import Dictionary
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
-
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 
     d = Dictionary()
     for i in range(cfg["vocab"] - d.nspecial):
@@ -49,7 +48,7 @@ def child(cfg):
 
     torch.manual_seed(0)
     args = argparse.Namespace(criterion="x", max_source_positions=256, max_target_positions=256,
-                              **ARCHS[cfg["arch"]])
+                              **{**ARCHS[cfg["arch"]], **(extra_args or {})})
     ARCH_CONFIG_REGISTRY[args.arch](args)
     device = torch.device(cfg["device"])
     model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, Task()).to(device).train()
@@ -61,15 +60,17 @@ def child(cfg):
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), S, device=device),
                             "prev_output_tokens": prev},
               "target": target, "ntokens": bsz * T, "nsentences": bsz}
-    if cfg["criterion"] == "tf":
-        criterion = LabelSmoothedCrossEntropyCriterion(Task(), False, 0.1)
-    else:
-        criterion = SoftBeamSearchCriterion(Task(), False, 0.1, teacher_forcing_ratio=cfg["rho"],
-                                            soft_beam_size=cfg["beam"], soft_beam_candidates=cfg["candidates"],
-                                            soft_topk_method=cfg["method"])
+    return model, Task(), sample, device
+
+
+def time_updates(model, criterion, sample, device, repeats):
+    """Median seconds of ``repeats`` updates (forward + backward + Adam step, after one warm-up), the last
+    logging output, and the peak memory in MiB (CUDA: max allocated; CPU: this process's max RSS)."""
+    import torch
+
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     times, log = [], {}
-    for i in range(cfg["repeats"] + 1):
+    for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -85,7 +86,23 @@ def child(cfg):
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": statistics.median(times), "peak_mib": peak,
+    return statistics.median(times), log, peak
+
+
+def child(cfg):
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+
+    model, task, sample, device = build_model_and_sample(cfg)
+    if cfg["criterion"] == "tf":
+        criterion = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    else:
+        criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=cfg["rho"],
+                                            soft_beam_size=cfg["beam"], soft_beam_candidates=cfg["candidates"],
+                                            soft_topk_method=cfg["method"])
+    seconds, log, peak = time_updates(model, criterion, sample, device, cfg["repeats"])
+    print(json.dumps({"seconds": seconds, "peak_mib": peak,
                       "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),
                       "iters": float(log.get("soft_topk_iters", 0)) / max(log.get("soft_topk_steps", 1), 1)}))
 

@@ -45,18 +45,22 @@ def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch):
     assert len(hyps) == 8
 
 
-def test_pipeline_fine_tunes_with_soft_beam_search_against_teacher_forcing(tmp_path):
-    cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10)
+def test_pipeline_fine_tunes_with_soft_beam_search_and_topk_attention(tmp_path):
+    cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10, topk_attn_k=2)
     rows = run.run_pipeline(cfg)
-    assert [r["run"].split(" (")[0] for r in rows] == ["teacher forcing", "+ 2 teacher forcing",
-                                                       "+ 2 soft beam search"]
-    assert [r["updates"] for r in rows] == [2, 4, 4]
-    log = (tmp_path / "work" / "logs" / "train.ft_soft_beam.log").read_text()
-    assert "soft_loss=" in log or "soft_loss " in log
-    assert "num_updates 2" in log and "loaded checkpoint" in log.lower()
-    for key in ("ft_tf", "ft_soft_beam"):
-        assert len(text.read_lines(tmp_path / "work" / "logs" / key / "test.beam1.fr")) == 8
-    assert "+ 2 soft beam search" in (tmp_path / "work" / "results.md").read_text()
+    assert [r["run"].split(" (")[0].split(",")[0] for r in rows] == [
+        "teacher forcing", "+ 2 teacher forcing", "+ 2 soft beam search", "+ 2 teacher forcing"]
+    assert [r["arch"] for r in rows] == ["transformer"] * 3 + ["transformer_topk_attn"]
+    assert [r["updates"] for r in rows] == [2, 4, 4, 4]
+    logs = tmp_path / "work" / "logs"
+    log = (logs / "train.ft_soft_beam.log").read_text()
+    assert "soft_loss" in log and "num_updates 2" in log and "loaded checkpoint" in log.lower()
+    log = (logs / "train.ft_topk_attn.log").read_text()
+    assert "TopkMultiheadAttention" in log and "loaded checkpoint" in log.lower()
+    for key in ("ft_tf", "ft_soft_beam", "ft_topk_attn"):
+        assert len(text.read_lines(logs / key / "test.beam1.fr")) == 8
+    results = (tmp_path / "work" / "results.md").read_text()
+    assert "+ 2 soft beam search" in results and "SOFT top-k attention" in results
 
 
 def test_pipeline_on_files_given_by_path(tmp_path):

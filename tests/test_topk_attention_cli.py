@@ -2,10 +2,13 @@
 import re
 
 import pytest
+import torch
 
 from fairseq_cli import USER_DIR, fairseq
 
 ARCH_ARGS = {
+    "rnnsearch_topk_attn": ["--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-hidden-size", "8",
+                            "--decoder-hidden-size", "8", "--attention-dim", "8", "--maxout-dim", "8"],
     "transformer_topk_attn": ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8",
                               "--decoder-embed-dim", "8", "--encoder-ffn-embed-dim", "16",
                               "--decoder-ffn-embed-dim", "16", "--encoder-attention-heads", "2",
@@ -25,7 +28,7 @@ def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
                   "--log-format", "simple", "--log-interval", "1", "--num-workers", "0",
                   "--required-batch-size-multiple", "1").stdout
     assert re.search(r"num_updates 3\b", log), log[-3000:]
-    assert "Topk" in log  # the model printout names the top-k attention layers
+    assert "Topk" in log or "AdditiveAttention" in log  # the model printout names the attention layers
     common = [toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--path", save / "checkpoint_last.pt",
               "--gen-subset", "test", "--beam", "3", "--batch-size", "5", "--max-len-b", "20",
               "--required-batch-size-multiple", "1", "--print-alignment"]
@@ -44,3 +47,15 @@ def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
                                                              arg_overrides=ast.literal_eval(overrides))
             modes = {m.topk_inference for m in models[0].modules() if hasattr(m, "topk_inference")}
             assert modes == {ast.literal_eval(overrides)["topk_attn_inference"]}
+    if arch == "transformer_topk_attn":
+        from softtopk_fairseq.tools import plot_attention
+
+        png = tmp_path / "attention.png"
+        maps = plot_attention.main(["--path", str(save / "checkpoint_last.pt"), "--data", str(toy_data_bin),
+                                    "--subset", "test", "--index", "2", "--out", str(png)])
+        assert png.stat().st_size > 1000 and set(maps) == {"softmax", "soft", "hard"}
+        for weights in maps.values():
+            torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[0]))
+        # hard top-k, head-averaged over 2 heads: at most 2 * k = 6 keys per query
+        assert int((maps["hard"] > 0).sum(-1).max()) <= 6
+        assert not torch.equal(maps["soft"], maps["softmax"])

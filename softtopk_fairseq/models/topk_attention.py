@@ -1,5 +1,5 @@
-"""Top-k attention in fairseq's own attention layers, and the ``transformer_topk_attn`` / ``lstm_topk_attn``
-architectures (paper App. I.3). The weights come from
+"""Top-k attention in fairseq's own attention layers, and the ``transformer_topk_attn``, ``lstm_topk_attn`` and
+``rnnsearch_topk_attn`` architectures (paper App. I.3). The weights come from
 :func:`softtopk_fairseq.modules.topk_attention.topk_attention_weights`; here they are only wired in.
 
 Stock layers are built by fairseq as usual and then given the top-k class (``layer.__class__ = ...``): the
@@ -29,36 +29,11 @@ from fairseq.models.transformer import (transformer_iwslt_de_en, transformer_vas
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from softtopk_fairseq.modules.topk_attention import MODES, topk_attention_weights
+from softtopk_fairseq.models.rnnsearch import RNNSearchModel
+from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
+from softtopk_fairseq.modules.topk_attention import MODES, TopkAttentionMixin
 
 ATTENTION_KINDS = ("encoder-decoder", "decoder-self", "encoder-self")
-
-
-class TopkAttentionMixin:
-    """Mode switching shared by the top-k attention layers."""
-
-    topk_k: int
-    topk_epsilon: float
-    topk_mode: str
-    topk_inference: str
-
-    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str):
-        if mode not in MODES or inference not in MODES + ("same",):
-            raise ValueError(f"top-k attention: mode {mode!r} / inference {inference!r} not in {MODES}")
-        if k < 1 or not epsilon > 0:
-            raise ValueError(f"top-k attention: need --topk-attn-k >= 1 and --topk-attn-epsilon > 0, got {k}, {epsilon}")
-        self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
-        return self
-
-    @property
-    def active_topk_mode(self) -> str:
-        if self.training or self.topk_inference == "same":
-            return self.topk_mode
-        return self.topk_inference
-
-    def topk_weights(self, scores: Tensor, dim: int) -> Tensor:
-        return topk_attention_weights(scores, self.topk_k, mode=self.active_topk_mode, epsilon=self.topk_epsilon,
-                                      dim=dim)
 
 
 class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
@@ -221,3 +196,23 @@ class LSTMTopkAttnModel(LSTMModel):
 def lstm_topk_attn(args):
     topk_defaults(args)
     lstm_base_architecture(args)
+
+
+@register_model("rnnsearch_topk_attn")
+class RNNSearchTopkAttnModel(RNNSearchModel):
+    @staticmethod
+    def add_args(parser):
+        RNNSearchModel.add_args(parser)
+        add_topk_args(parser, layers=False)
+
+    @classmethod
+    def build_model(cls, args, task):
+        model = super().build_model(args, task)
+        model.decoder.attention.configure_topk(**topk_options(args))
+        return model
+
+
+@register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn")
+def rnnsearch_topk_attn(args):
+    topk_defaults(args)
+    rnnsearch_base_architecture(args)

@@ -48,3 +48,30 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilo
     alive = valid.any(dim=dim, keepdim=True)
     weights = torch.softmax(torch.where(alive, x, torch.zeros_like(x)), dim=dim)
     return torch.where(alive & valid, weights, torch.zeros_like(weights)).to(scores.dtype)
+
+
+class TopkAttentionMixin:
+    """Mode switching shared by the top-k attention layers."""
+
+    topk_k: int
+    topk_epsilon: float
+    topk_mode: str
+    topk_inference: str
+
+    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str):
+        if mode not in MODES or inference not in MODES + ("same",):
+            raise ValueError(f"top-k attention: mode {mode!r} / inference {inference!r} not in {MODES}")
+        if k < 1 or not epsilon > 0:
+            raise ValueError(f"top-k attention: need --topk-attn-k >= 1 and --topk-attn-epsilon > 0, got {k}, {epsilon}")
+        self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
+        return self
+
+    @property
+    def active_topk_mode(self) -> str:
+        if self.training or self.topk_inference == "same":
+            return self.topk_mode
+        return self.topk_inference
+
+    def topk_weights(self, scores: Tensor, dim: int) -> Tensor:
+        return topk_attention_weights(scores, self.topk_k, mode=self.active_topk_mode, epsilon=self.topk_epsilon,
+                                      dim=dim)

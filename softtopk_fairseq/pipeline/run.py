@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from softtopk_fairseq.pipeline import text, toy_corpus
 
@@ -86,6 +86,8 @@ class Config:
     soft_beam_size: int = 5
     soft_topk_epsilon: float = 0.1
     soft_beam_candidates: int = 50
+    topk_attn_k: int = 4
+    topk_attn_epsilon: float = 0.1
 
 
 class Stage:
@@ -197,27 +199,41 @@ def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
     ]
 
 
-def finetune_args(cfg: Config, bin_dir: str, restore: str, save_dir: str, criterion: List[str]) -> List[str]:
+def finetune_args(cfg: Config, bin_dir: str, restore: str, save_dir: str, run_args: List[str]) -> List[str]:
     """Continue from the pre-trained checkpoint for ``cfg.finetune_updates`` updates at a constant learning
-    rate (fresh optimizer and counters), with the given criterion arguments; same batches for every run."""
+    rate (fresh optimizer and counters), with the run's criterion (and architecture) arguments; the same
+    batches for every run. Later ``--arch`` arguments override the pre-training's."""
     return [
         bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed), *ARCH_ARGS[cfg.arch][cfg.size],
         "--restore-file", restore, "--reset-optimizer", "--reset-lr-scheduler", "--reset-meters",
         "--reset-dataloader", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
-        "--lr", str(cfg.finetune_lr), "--lr-scheduler", "fixed", *criterion,
+        "--lr", str(cfg.finetune_lr), "--lr-scheduler", "fixed", *run_args,
         "--max-tokens", str(cfg.max_tokens), "--max-update", str(cfg.finetune_updates),
         "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates", "0",
         "--log-format", "simple", "--log-interval", "10", "--num-workers", "0", *KEEP_LAST_BATCH,
     ]
 
 
-def finetune_runs(cfg: Config) -> Dict[str, List[str]]:
-    """Run name -> criterion arguments of the fine-tuning comparison."""
+TOPK_ATTN_ARCH = {"transformer": "transformer_topk_attn", "lstm": "lstm_topk_attn"}
+
+
+def finetune_runs(cfg: Config) -> Dict[str, Tuple[str, List[str]]]:
+    """Run key -> (row name, fairseq-train arguments) of the fine-tuning comparison."""
+    n = cfg.finetune_updates
     tf = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
     soft = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1",
             "--teacher-forcing-ratio", str(cfg.teacher_forcing_ratio), "--soft-beam-size", str(cfg.soft_beam_size),
             "--soft-topk-epsilon", str(cfg.soft_topk_epsilon), "--soft-beam-candidates", str(cfg.soft_beam_candidates)]
-    return {"tf": tf, "soft_beam": soft}
+    # The top-k attention layers have the stock layers' parameters, so the softmax checkpoint loads into them.
+    topk = ["--arch", TOPK_ATTN_ARCH[cfg.arch], "--topk-attn-k", str(cfg.topk_attn_k),
+            "--topk-attn-epsilon", str(cfg.topk_attn_epsilon), *tf]
+    return {
+        "tf": (f"+ {n} teacher forcing", tf),
+        "soft_beam": (f"+ {n} soft beam search (rho {cfg.teacher_forcing_ratio}, beam {cfg.soft_beam_size}, "
+                      f"eps {cfg.soft_topk_epsilon}, M {cfg.soft_beam_candidates})", soft),
+        "topk_attn": (f"+ {n} teacher forcing, SOFT top-k attention (k {cfg.topk_attn_k}, "
+                      f"eps {cfg.topk_attn_epsilon})", topk),
+    }
 
 
 def generate_and_score(cfg: Config, bin_dir: str, checkpoint: str, raw_test: str, beam: int,
@@ -289,8 +305,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
             ],
             os.path.join(dirs["logs"], "preprocess.log"), env=env,
         )
-    total = 6 if cfg.finetune_updates > 0 else 5
-    runs = [("tf", "teacher forcing", cfg.max_update)]
+    runs = [("tf", "teacher forcing", cfg.max_update, cfg.arch)]
     with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)") as stage:
         run_logged(fairseq_cmd("train") + train_args(cfg, dirs["bin"], os.path.join(dirs["checkpoints"], "tf")),
                    os.path.join(dirs["logs"], "train.tf.log"), env=env)
@@ -298,20 +313,20 @@ def run_pipeline(cfg: Config) -> List[dict]:
     if cfg.finetune_updates > 0:
         restore = os.path.join(dirs["checkpoints"], "tf", "checkpoint_last.pt")
         n = cfg.finetune_updates
-        names = {"tf": f"+ {n} teacher forcing", "soft_beam": f"+ {n} soft beam search (rho {cfg.teacher_forcing_ratio}, "
-                 f"beam {cfg.soft_beam_size}, eps {cfg.soft_topk_epsilon}, M {cfg.soft_beam_candidates})"}
-        with Stage(5, total, f"fine-tuning: continued teacher forcing vs soft beam search, {n} updates each"):
-            for key, criterion in finetune_runs(cfg).items():
+        with Stage(5, total, f"fine-tuning from the same checkpoint, {n} updates each: teacher forcing, soft beam "
+                             "search, top-k attention"):
+            for key, (name, run_args) in finetune_runs(cfg).items():
                 start_run = time.time()
                 run_logged(fairseq_cmd("train") + finetune_args(cfg, dirs["bin"], restore,
                                                                 os.path.join(dirs["checkpoints"], f"ft_{key}"),
-                                                                criterion),
+                                                                run_args),
                            os.path.join(dirs["logs"], f"train.ft_{key}.log"), env=env)
                 seconds[f"ft_{key}"] = time.time() - start_run
-                runs.append((f"ft_{key}", names[key], cfg.max_update + n))
+                arch = run_args[run_args.index("--arch") + 1] if "--arch" in run_args else cfg.arch
+                runs.append((f"ft_{key}", name, cfg.max_update + n, arch))
     rows = []
     with Stage(total, total, "fairseq-generate + sacrebleu"):
-        for key, run_name, updates in runs:
+        for key, run_name, updates, arch in runs:
             bleu = {}
             for beam in cfg.beams:
                 out_dir = os.path.join(dirs["logs"], key)
@@ -320,7 +335,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
                                                 os.path.join(dirs["checkpoints"], key, "checkpoint_last.pt"),
                                                 raw["test"], beam, out_dir)
                 print(f"  {run_name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
-            rows.append({"run": run_name, "arch": cfg.arch, "updates": updates, "train_s": seconds[key],
+            rows.append({"run": run_name, "arch": arch, "updates": updates, "train_s": seconds[key],
                          "bleu": bleu})
 
     table = results_table(rows, cfg.beams)
@@ -365,6 +380,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
     p.add_argument("--soft-topk-epsilon", type=float, default=0.1)
     p.add_argument("--soft-beam-candidates", type=int, default=50,
                    help="candidates kept per sentence before the soft top-k (0: all k*V)")
+    p.add_argument("--topk-attn-k", type=int, default=4, help="keys per query of the top-k attention run")
+    p.add_argument("--topk-attn-epsilon", type=float, default=0.1, help="its SOFT top-k temperature")
     args = p.parse_args(argv)
     return Config(**{k.replace("-", "_"): v for k, v in vars(args).items()})
 

@@ -1,0 +1,1 @@
+"""Command-line tools that work on fairseq checkpoints (``python -m softtopk_fairseq.tools.<name>``)."""
