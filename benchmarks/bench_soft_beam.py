@@ -107,6 +107,25 @@ def child(cfg):
                       "iters": float(log.get("soft_topk_iters", 0)) / max(log.get("soft_topk_steps", 1), 1)}))
 
 
+BATCH_KEYS = ("bsz", "src_len", "tgt_len", "vocab", "repeats", "threads", "device")
+
+
+def add_batch_arguments(p, repeats):
+    """The batch, vocabulary and timing options shared by the training-step benchmarks."""
+    p.add_argument("--bsz", type=int, default=128, help="sentences per batch")
+    p.add_argument("--src-len", type=int, default=14)
+    p.add_argument("--tgt-len", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--repeats", type=int, default=repeats, help="timed updates (median) after one warm-up")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+
+
+def batch_config(a):
+    return {key: getattr(a, key) for key in BATCH_KEYS}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--archs", nargs="+", default=["lstm", "transformer"], choices=sorted(ARCHS))
@@ -115,19 +134,11 @@ def main():
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--rho", type=float, default=0.8)
     p.add_argument("--method", default="ot", choices=["ot", "softmax_k_times"])
-    p.add_argument("--bsz", type=int, default=128)
-    p.add_argument("--src-len", type=int, default=14)
-    p.add_argument("--tgt-len", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    add_batch_arguments(p, repeats=3)
     a = p.parse_args()
     if a.child:
         return child(json.loads(a.child))
-    base = dict(beam=a.beam, rho=a.rho, method=a.method, bsz=a.bsz, src_len=a.src_len, tgt_len=a.tgt_len,
-                vocab=a.vocab, repeats=a.repeats, threads=a.threads, device=a.device)
+    base = dict(batch_config(a), beam=a.beam, rho=a.rho, method=a.method)
 
     def measure(**cfg):
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**base, **cfg})],

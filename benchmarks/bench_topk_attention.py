@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import build_model_and_sample, time_updates  # noqa: E402
+from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, time_updates  # noqa: E402
 
 VARIANTS = {
     "transformer (softmax)": dict(arch="transformer"),
@@ -40,19 +40,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--k", type=int, default=4, help="--topk-attn-k")
     p.add_argument("--epsilon", type=float, default=0.1, help="--topk-attn-epsilon")
-    p.add_argument("--bsz", type=int, default=128)
-    p.add_argument("--src-len", type=int, default=14)
-    p.add_argument("--tgt-len", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    add_batch_arguments(p, repeats=5)
     a = p.parse_args()
     if a.child:
         return child(json.loads(a.child))
-    base = dict(k=a.k, epsilon=a.epsilon, bsz=a.bsz, src_len=a.src_len, tgt_len=a.tgt_len, vocab=a.vocab,
-                repeats=a.repeats, threads=a.threads, device=a.device)
+    base = dict(batch_config(a), k=a.k, epsilon=a.epsilon)
     print(f"batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, k {a.k}, epsilon {a.epsilon}, "
           f"{a.threads} threads, {a.device}, median of {a.repeats} updates")
     print("| model | s / update | x transformer | peak MiB | x transformer peak |\n|---|---|---|---|---|")
