@@ -100,7 +100,7 @@ def child(cfg):
     else:
         criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=cfg["rho"],
                                             soft_beam_size=cfg["beam"], soft_beam_candidates=cfg["candidates"],
-                                            soft_topk_method=cfg["method"])
+                                            soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"])
     seconds, log, peak = time_updates(model, criterion, sample, device, cfg["repeats"])
     print(json.dumps({"seconds": seconds, "peak_mib": peak,
                       "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),
@@ -134,11 +134,12 @@ def main():
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--rho", type=float, default=0.8)
     p.add_argument("--method", default="ot", choices=["ot", "softmax_k_times"])
+    p.add_argument("--scaling", default="paper", choices=["paper", "none"], help="--soft-topk-scaling")
     add_batch_arguments(p, repeats=3)
     a = p.parse_args()
     if a.child:
         return child(json.loads(a.child))
-    base = dict(batch_config(a), beam=a.beam, rho=a.rho, method=a.method)
+    base = dict(batch_config(a), beam=a.beam, rho=a.rho, method=a.method, scaling=a.scaling)
 
     def measure(**cfg):
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**base, **cfg})],
@@ -148,7 +149,7 @@ def main():
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     print(f"batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, beam {a.beam}, rho {a.rho}, "
-          f"{a.method}, {a.threads} threads, {a.device}, median of {a.repeats} updates")
+          f"{a.method}, scaling {a.scaling}, {a.threads} threads, {a.device}, median of {a.repeats} updates")
     print("| arch | criterion | candidates M | s / update | x teacher forcing | peak MiB | x TF peak | "
           "pruned-mass bound / step | solver iters |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -13,6 +13,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 
 SETTINGS = [dict(soft_topk_epsilon=0.01), dict(soft_topk_epsilon=0.1), dict(soft_topk_epsilon=1.0),
+            dict(soft_topk_epsilon=10.0),
             dict(soft_topk_epsilon=0.1, soft_topk_scaling="paper"),
             dict(soft_topk_epsilon=0.1, soft_topk_method="softmax_k_times")]
 

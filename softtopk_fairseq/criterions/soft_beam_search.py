@@ -43,11 +43,13 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
         default="ot", metadata={"help": "relaxed top-k: 'ot' (sorted SOFT top-k) or 'softmax_k_times' "
                                         "(k successive softmaxes, the Goyal et al. 2018 style baseline)"})
     soft_topk_epsilon: float = field(
-        default=0.1, metadata={"help": "temperature of the relaxed top-k, in nats of log-likelihood "
-                                       "(with --soft-topk-scaling paper: the paper's normalised epsilon)"})
+        default=0.1, metadata={"help": "temperature of the relaxed top-k: the paper's normalised epsilon with "
+                                       "--soft-topk-scaling paper; in nats with 'none' and for softmax_k_times"})
     soft_topk_scaling: ChoiceEnum(SCALINGS) = field(
-        default="none", metadata={"help": "'paper' divides the OT cost by its per-sentence maximum like the "
-                                          "authors' code (the temperature then grows with |scores|)"})
+        default="paper", metadata={"help": "'paper' (default, the paper's setting) divides the OT cost by its "
+                                           "per-sentence maximum like the authors' code: temperature = epsilon * "
+                                           "max cost / 2, tens of nats for typical scores; 'none': epsilon in nats "
+                                           "(small values give very large gradients, see docs/results.md)"})
     soft_topk_tol: Optional[float] = field(
         default=None, metadata={"help": "marginal tolerance of the OT solver (default: soft_topk's)"})
     soft_topk_max_iter: Optional[int] = field(
@@ -61,7 +63,7 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot", soft_topk_epsilon=0.1,
-                 soft_topk_scaling="none", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0):
+                 soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")

@@ -85,6 +85,7 @@ class Config:
     teacher_forcing_ratio: float = 0.8
     soft_beam_size: int = 5
     soft_topk_epsilon: float = 0.1
+    soft_topk_scaling: str = "paper"
     soft_beam_candidates: int = 50
     topk_attn_k: int = 4
     topk_attn_epsilon: float = 0.1
@@ -223,14 +224,16 @@ def finetune_runs(cfg: Config) -> Dict[str, Tuple[str, List[str]]]:
     tf = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
     soft = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1",
             "--teacher-forcing-ratio", str(cfg.teacher_forcing_ratio), "--soft-beam-size", str(cfg.soft_beam_size),
-            "--soft-topk-epsilon", str(cfg.soft_topk_epsilon), "--soft-beam-candidates", str(cfg.soft_beam_candidates)]
+            "--soft-topk-epsilon", str(cfg.soft_topk_epsilon), "--soft-topk-scaling", cfg.soft_topk_scaling,
+            "--soft-beam-candidates", str(cfg.soft_beam_candidates)]
     # The top-k attention layers have the stock layers' parameters, so the softmax checkpoint loads into them.
     topk = ["--arch", TOPK_ATTN_ARCH[cfg.arch], "--topk-attn-k", str(cfg.topk_attn_k),
             "--topk-attn-epsilon", str(cfg.topk_attn_epsilon), *tf]
     return {
         "tf": (f"+ {n} teacher forcing", tf),
         "soft_beam": (f"+ {n} soft beam search (rho {cfg.teacher_forcing_ratio}, beam {cfg.soft_beam_size}, "
-                      f"eps {cfg.soft_topk_epsilon}, M {cfg.soft_beam_candidates})", soft),
+                      f"eps {cfg.soft_topk_epsilon} {cfg.soft_topk_scaling} scaling, M {cfg.soft_beam_candidates})",
+                      soft),
         "topk_attn": (f"+ {n} teacher forcing, SOFT top-k attention (k {cfg.topk_attn_k}, "
                       f"eps {cfg.topk_attn_epsilon})", topk),
     }
@@ -378,6 +381,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
     p.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="rho of the soft beam search run")
     p.add_argument("--soft-beam-size", type=int, default=5)
     p.add_argument("--soft-topk-epsilon", type=float, default=0.1)
+    p.add_argument("--soft-topk-scaling", choices=["paper", "none"], default="paper",
+                   help="normalisation of the soft beam search's OT cost (see --soft-topk-scaling of the criterion)")
     p.add_argument("--soft-beam-candidates", type=int, default=50,
                    help="candidates kept per sentence before the soft top-k (0: all k*V)")
     p.add_argument("--topk-attn-k", type=int, default=4, help="keys per query of the top-k attention run")
