@@ -219,13 +219,20 @@ def test_rho_one_is_exactly_label_smoothed_cross_entropy(arch):
     assert "soft_loss" not in log
 
 
-def test_rho_mixes_the_two_losses():
+@pytest.fixture
+def lstm_losses():
+    """A float64 LSTM, its batch and task, and the pure teacher-forcing and pure L_SOFT losses on it."""
     d = dictionary(12)
     model = build("lstm", d, dtype=torch.float64)
     sample = batch(d)
     task = TinyTask(d)
     tf, _, _ = _criterion(task, 1.0)(model, sample)
-    soft, _, log0 = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    soft, _, soft_log = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    return model, sample, task, tf, soft, soft_log
+
+
+def test_rho_mixes_the_two_losses(lstm_losses):
+    model, sample, task, tf, soft, log0 = lstm_losses
     mixed, size, log = _criterion(task, 0.8, soft_topk_epsilon=0.5)(model, sample)
     torch.testing.assert_close(mixed, 0.8 * tf + 0.2 * soft)
     assert size == sample["ntokens"]
@@ -234,13 +241,8 @@ def test_rho_mixes_the_two_losses():
     assert log0["nll_loss"] == log0["soft_loss"]  # rho = 0: no teacher-forcing pass, nll is the beam's
 
 
-def test_sample_mode_draws_one_loss_per_batch_with_probability_rho():
-    d = dictionary(12)
-    model = build("lstm", d, dtype=torch.float64)
-    sample = batch(d)
-    task = TinyTask(d)
-    tf, _, _ = _criterion(task, 1.0)(model, sample)
-    soft, _, _ = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):
+    model, sample, task, tf, soft, _ = lstm_losses
     crit = _criterion(task, 0.7, soft_topk_epsilon=0.5, teacher_forcing_mode="sample")
     torch.manual_seed(0)
     picks = []
