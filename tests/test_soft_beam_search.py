@@ -60,14 +60,15 @@ def test_soft_token_input_replaces_only_the_pending_lookup():
 
 # ------------------------------------------------------------- epsilon -> 0 is fairseq's beam search ----
 
+@pytest.mark.parametrize("bookkeeping", ["argmax", "topk"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_small_epsilon_gives_sequence_generator_hypotheses(arch):
+def test_small_epsilon_gives_sequence_generator_hypotheses(arch, bookkeeping):
     d = dictionary(20)
     model = build(arch, d).eval()
     sample = batch(d, bsz=3, tgt_lens=(4, 3, 6))
     k = 4
     with torch.no_grad():
-        out = run(model, sample, d, beam=k, epsilon=1e-4)
+        out = run(model, sample, d, beam=k, epsilon=1e-4, bookkeeping=bookkeeping)
     lengths = sample["target"].ne(d.pad()).sum(1)
     for b in range(3):
         src = sample["net_input"]["src_tokens"][b]
@@ -82,6 +83,22 @@ def test_small_epsilon_gives_sequence_generator_hypotheses(arch):
         want_scores = torch.tensor([float(h["score"]) * n for h in hypos], dtype=torch.float64)
         torch.testing.assert_close(out.hypothesis_scores[b].double(), want_scores, rtol=1e-4, atol=1e-4)
     assert float(out.solver_error.max()) < 1e-6
+
+
+def test_topk_bookkeeping_keeps_distinct_beams_where_argmax_can_collapse():
+    """A very smooth soft top-k (the paper's scaling at a large epsilon): every rank column has the same
+    argmax, so 'argmax' bookkeeping continues one candidate k times; 'topk' keeps k distinct hypotheses."""
+    d = dictionary(20)
+    model = build("lstm", d).eval()
+    sample = batch(d)
+    with torch.no_grad():
+        smooth = dict(beam=3, epsilon=5.0, scaling="paper")
+        collapsed = run(model, sample, d, **smooth)
+        distinct = run(model, sample, d, bookkeeping="topk", **smooth)
+    assert any(len({tuple(h) for h in sent.tolist()}) < 3 for sent in collapsed.hypotheses)
+    assert all(len({tuple(h) for h in sent.tolist()}) == 3 for sent in distinct.hypotheses)
+    with pytest.raises(ValueError, match="bookkeeping"):
+        run(model, sample, d, bookkeeping="nope")
 
 
 # -------------------------------------------------------------------------------- gradients -----------

@@ -26,7 +26,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.dataclass import ChoiceEnum
 
-from softtopk_fairseq.modules.soft_beam_search import RELAXATIONS, soft_beam_search
+from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, RELAXATIONS, soft_beam_search
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
@@ -54,6 +54,10 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
         default=None, metadata={"help": "marginal tolerance of the OT solver (default: soft_topk's)"})
     soft_topk_max_iter: Optional[int] = field(
         default=None, metadata={"help": "iteration cap of the OT solver (default: soft_topk's)"})
+    soft_beam_bookkeeping: ChoiceEnum(BOOKKEEPING) = field(
+        default="argmax", metadata={"help": "which candidate beam l continues: 'argmax' of its soft top-k column "
+                                            "(the paper, App. I.2; smooth columns can share it: duplicate beams) "
+                                            "or 'topk', the l-th best candidate (always k distinct beams)"})
     soft_beam_candidates: int = field(
         default=0, metadata={"help": "keep only the best M of the k*V candidates per sentence before the "
                                      "relaxed top-k (0 = all, exact); the pruned-mass bound is logged"})
@@ -63,7 +67,8 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot", soft_topk_epsilon=0.1,
-                 soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0):
+                 soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0,
+                 soft_beam_bookkeeping="argmax"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
@@ -81,7 +86,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         self.search_options = dict(
             beam=soft_beam_size, relaxation=str(soft_topk_method), epsilon=soft_topk_epsilon,
             scaling=str(soft_topk_scaling), tol=soft_topk_tol, max_iter=soft_topk_max_iter,
-            candidates=soft_beam_candidates)
+            candidates=soft_beam_candidates, bookkeeping=str(soft_beam_bookkeeping))
         self.eos = task.target_dictionary.eos()
 
     def forward(self, model, sample, reduce=True):

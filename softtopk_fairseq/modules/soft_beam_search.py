@@ -34,6 +34,7 @@ from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
 from softtopk_fairseq.ops import effective_epsilon, soft_topk, softmax_k_times
 
 RELAXATIONS = ("ot", "softmax_k_times")
+BOOKKEEPING = ("argmax", "topk")
 
 
 class SoftBeamOutput(NamedTuple):
@@ -87,7 +88,7 @@ def _log_probs(model, net_output) -> Tensor:
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
                      beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
-                     candidates: int = 0) -> SoftBeamOutput:
+                     candidates: int = 0, bookkeeping: str = "argmax") -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
@@ -97,7 +98,12 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         epsilon, scaling, tol, max_iter: passed to ``soft_topk`` (epsilon is the softmax temperature of
             ``softmax_k_times``), in units of log-likelihood.
         candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all).
+        bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
+            ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
+            one argmax -- duplicate beams; ``"topk"`` keeps k distinct hypotheses. Both agree as eps -> 0.
     """
+    if bookkeeping not in BOOKKEEPING:
+        raise ValueError(f"soft_beam_search: bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
     if relaxation not in RELAXATIONS:
         raise ValueError(f"soft_beam_search: relaxation must be one of {RELAXATIONS}, got {relaxation!r}")
     decoder = model.decoder
@@ -173,8 +179,12 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                     z = cand.sub_(x_w).div_(eps.unsqueeze(-1)).exp_().scatter_(1, kept_idx, 0.0)
                     pruned += _pruned_mass_bound(A.detach(), top, torch.log(z.sum(-1)), eps, relaxation).float()
 
-            # Hard bookkeeping: the argmax candidate of each rank (App. I.2).
-            best = A.detach().argmax(1)  # (bsz, k)
+            # Hard bookkeeping: the argmax candidate of each rank (App. I.2), or the hard top-k of the scores
+            # (its eps -> 0 limit, always k distinct candidates).
+            if bookkeeping == "argmax":
+                best = A.detach().argmax(1)  # (bsz, k)
+            else:
+                best = torch.topk(kept.detach(), k, dim=1).indices
             flat = best if exact else kept_idx.gather(1, best)
             parent, token = flat // V, flat % V
             cum = kept.gather(1, best)
