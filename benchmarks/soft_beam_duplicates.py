@@ -3,30 +3,24 @@ beams), on one batch of a trained checkpoint, per ``--soft-topk-scaling`` and bo
 
     .venv/bin/python benchmarks/soft_beam_duplicates.py work/demo/checkpoints/tf/checkpoint_last.pt work/demo/bin
 """
-import argparse
+import os
+import sys
 
 import torch
 
-import softtopk_fairseq.fairseq_plugin  # noqa: F401
 import softtopk_fairseq.modules.soft_beam_search as search
-from fairseq import checkpoint_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from soft_beam_grad_norms import checkpoint_arguments, load_model_and_batch  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint")
-    p.add_argument("data")
-    p.add_argument("--subset", default="valid")
-    p.add_argument("--max-tokens", type=int, default=2000)
+    p = checkpoint_arguments(__doc__.splitlines()[0])
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--epsilon", type=float, default=0.1)
-    p.add_argument("--candidates", type=int, default=50)
     a = p.parse_args()
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task([a.checkpoint], arg_overrides={"data": a.data})
-    model = models[0].eval()
-    task.load_dataset(a.subset)
-    sample = next(task.get_batch_iterator(task.dataset(a.subset), max_tokens=a.max_tokens,
-                                          required_batch_size_multiple=1).next_epoch_itr(shuffle=False))
+    model, task, sample = load_model_and_batch(a)
+    model.eval()
     ni, d = sample["net_input"], task.target_dictionary
     print("| scaling | bookkeeping | sentence-steps with duplicate beams |\n|---|---|---|")
     for scaling in ("none", "paper"):

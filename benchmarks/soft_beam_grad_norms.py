@@ -12,27 +12,39 @@ from fairseq import checkpoint_utils
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 
-SETTINGS = [dict(soft_topk_epsilon=0.01), dict(soft_topk_epsilon=0.1), dict(soft_topk_epsilon=1.0),
-            dict(soft_topk_epsilon=10.0),
-            dict(soft_topk_epsilon=0.1, soft_topk_scaling="paper"),
+NATS = dict(soft_topk_scaling="none")  # epsilon in nats of log-likelihood
+SETTINGS = [dict(NATS, soft_topk_epsilon=0.01), dict(NATS, soft_topk_epsilon=0.1), dict(NATS, soft_topk_epsilon=1.0),
+            dict(NATS, soft_topk_epsilon=10.0), dict(soft_topk_epsilon=0.1, soft_topk_scaling="paper"),
             dict(soft_topk_epsilon=0.1, soft_topk_method="softmax_k_times")]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def checkpoint_arguments(description):
+    """Parser with the checkpoint / data / batch options shared by the checkpoint-based soft beam scripts."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("checkpoint")
     p.add_argument("data")
     p.add_argument("--subset", default="valid")
     p.add_argument("--max-tokens", type=int, default=2000)
     p.add_argument("--candidates", type=int, default=50)
-    p.add_argument("--eval-mode", action="store_true", help="no dropout (default: train mode, as in training)")
-    a = p.parse_args()
-    torch.manual_seed(0)
+    return p
+
+
+def load_model_and_batch(a):
+    """The checkpoint's model (in train mode), its task, and the first batch of ``--subset``."""
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([a.checkpoint], arg_overrides={"data": a.data})
-    model = models[0].eval() if a.eval_mode else models[0].train()
     task.load_dataset(a.subset)
     sample = next(task.get_batch_iterator(task.dataset(a.subset), max_tokens=a.max_tokens,
                                           required_batch_size_multiple=1).next_epoch_itr(shuffle=False))
+    return models[0], task, sample
+
+
+def main():
+    p = checkpoint_arguments(__doc__.splitlines()[0])
+    p.add_argument("--eval-mode", action="store_true", help="no dropout (default: train mode, as in training)")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model, task, sample = load_model_and_batch(a)
+    model = model.eval() if a.eval_mode else model.train()
 
     def measure(criterion):
         model.zero_grad()
