@@ -18,3 +18,20 @@ def fairseq(tool, *args, cwd=None, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"fairseq-{tool} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
     return proc
+
+
+# Tiny model sizes for CLI runs, per architecture family (the *_topk_attn variants share their family's).
+TINY_SIZES = {
+    "lstm": ["--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-hidden-size", "8",
+             "--decoder-hidden-size", "8", "--decoder-out-embed-dim", "8"],
+    "transformer": ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8",
+                    "--decoder-embed-dim", "8", "--encoder-ffn-embed-dim", "16", "--decoder-ffn-embed-dim", "16",
+                    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"],
+    "rnnsearch": ["--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-hidden-size", "8",
+                  "--decoder-hidden-size", "8", "--attention-dim", "8", "--maxout-dim", "8"],
+}
+
+
+def tiny_arch(arch):
+    """``--arch ARCH`` plus the tiny sizes of its family (``transformer_topk_attn`` -> ``transformer``)."""
+    return ["--arch", arch, *TINY_SIZES[arch.replace("_topk_attn", "")]]

@@ -5,16 +5,9 @@ import re
 
 import pytest
 
-from fairseq_cli import USER_DIR, fairseq
+from fairseq_cli import USER_DIR, fairseq, tiny_arch
 
-TINY_ARCHS = {
-    "lstm": ["--arch", "lstm", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
-             "--encoder-hidden-size", "8", "--decoder-hidden-size", "8", "--decoder-out-embed-dim", "8"],
-    "transformer": ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
-                    "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
-                    "--encoder-ffn-embed-dim", "16", "--decoder-ffn-embed-dim", "16",
-                    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"],
-}
+TINY_ARCHS = {arch: tiny_arch(arch) for arch in ("lstm", "transformer")}
 
 
 @pytest.fixture

@@ -5,19 +5,9 @@ import subprocess
 
 import pytest
 
-from fairseq_cli import USER_DIR, fairseq, fairseq_cmd
+from fairseq_cli import USER_DIR, fairseq, fairseq_cmd, tiny_arch
 
-ARCH_ARGS = {
-    "rnnsearch": ["--arch", "rnnsearch", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
-                  "--encoder-hidden-size", "8", "--decoder-hidden-size", "8", "--attention-dim", "8",
-                  "--maxout-dim", "8"],
-    "lstm": ["--arch", "lstm", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
-             "--encoder-hidden-size", "8", "--decoder-hidden-size", "8", "--decoder-out-embed-dim", "8"],
-    "transformer": ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
-                    "--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-ffn-embed-dim", "16",
-                    "--decoder-ffn-embed-dim", "16", "--encoder-attention-heads", "2",
-                    "--decoder-attention-heads", "2"],
-}
+ARCH_ARGS = {arch: tiny_arch(arch) for arch in ("rnnsearch", "lstm", "transformer")}
 SOFT_BEAM = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1", "--teacher-forcing-ratio", "0.5",
              "--soft-beam-size", "3", "--soft-beam-candidates", "20"]
 

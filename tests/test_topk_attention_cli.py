@@ -4,25 +4,17 @@ import re
 import pytest
 import torch
 
-from fairseq_cli import USER_DIR, fairseq
+from fairseq_cli import USER_DIR, fairseq, tiny_arch
 
-ARCH_ARGS = {
-    "rnnsearch_topk_attn": ["--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-hidden-size", "8",
-                            "--decoder-hidden-size", "8", "--attention-dim", "8", "--maxout-dim", "8"],
-    "transformer_topk_attn": ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8",
-                              "--decoder-embed-dim", "8", "--encoder-ffn-embed-dim", "16",
-                              "--decoder-ffn-embed-dim", "16", "--encoder-attention-heads", "2",
-                              "--decoder-attention-heads", "2", "--topk-attn-layers", "encoder-decoder,decoder-self"],
-    "lstm_topk_attn": ["--encoder-embed-dim", "8", "--decoder-embed-dim", "8", "--encoder-hidden-size", "8",
-                       "--decoder-hidden-size", "8", "--decoder-out-embed-dim", "8"],
-}
+ARCH_ARGS = {arch: tiny_arch(arch) for arch in ("rnnsearch_topk_attn", "transformer_topk_attn", "lstm_topk_attn")}
+ARCH_ARGS["transformer_topk_attn"] += ["--topk-attn-layers", "encoder-decoder,decoder-self"]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_ARGS))
 def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
     save = tmp_path / "ckpt"
-    log = fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "3", "--arch", arch,
-                  *ARCH_ARGS[arch], "--topk-attn-k", "3", "--topk-attn-epsilon", "0.1", "--optimizer", "adam",
+    log = fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "3", *ARCH_ARGS[arch],
+                  "--topk-attn-k", "3", "--topk-attn-epsilon", "0.1", "--optimizer", "adam",
                   "--lr", "0.005", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
                   "--max-tokens", "400", "--max-update", "3", "--save-dir", save, "--no-epoch-checkpoints",
                   "--log-format", "simple", "--log-interval", "1", "--num-workers", "0",

@@ -66,8 +66,8 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot", soft_topk_epsilon=0.1,
-                 soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0,
+                 teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot",
+                 soft_topk_epsilon=0.1, soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0,
                  soft_beam_bookkeeping="argmax"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
