@@ -31,6 +31,7 @@ from torch import Tensor
 
 from softtopk_fairseq.models.rnnsearch import RNNSearchModel
 from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
+from softtopk_fairseq.models.rnnsearch import rnnsearch_wmt14_en_fr
 from softtopk_fairseq.modules.topk_attention import MODES, TopkAttentionMixin
 
 ATTENTION_KINDS = ("encoder-decoder", "decoder-self", "encoder-self")
@@ -216,3 +217,9 @@ class RNNSearchTopkAttnModel(RNNSearchModel):
 def rnnsearch_topk_attn(args):
     topk_defaults(args)
     rnnsearch_base_architecture(args)
+
+
+@register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn_wmt14_en_fr")
+def rnnsearch_topk_attn_wmt14_en_fr(args):
+    topk_defaults(args)
+    rnnsearch_wmt14_en_fr(args)

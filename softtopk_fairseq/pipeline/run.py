@@ -187,6 +187,21 @@ def apply_bpe(cfg: Config, raw: Dict[str, str], bpe_dir: str) -> None:
     print(f"BPE ({cfg.bpe}, size {cfg.bpe_size}): model {bpe.model_path}")
 
 
+def binarize(bpe_dir: str, bin_dir: str, src: str, tgt: str, log_path: str, workers: int = 1,
+             env: Optional[dict] = None) -> None:
+    """``fairseq-preprocess`` of ``bpe_dir/{train,valid,test}.{src,tgt}`` with one joined dictionary."""
+    run_logged(
+        fairseq_cmd("preprocess") + [
+            "--source-lang", src, "--target-lang", tgt,
+            "--trainpref", os.path.join(bpe_dir, "train"),
+            "--validpref", os.path.join(bpe_dir, "valid"),
+            "--testpref", os.path.join(bpe_dir, "test"),
+            "--destdir", bin_dir, "--joined-dictionary", "--workers", str(workers),
+        ],
+        log_path, env=env,
+    )
+
+
 def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
     return [
         bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed),
@@ -298,16 +313,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
     with Stage(2, total, f"BPE ({cfg.bpe})"):
         apply_bpe(cfg, raw, dirs["bpe"])
     with Stage(3, total, "fairseq-preprocess"):
-        run_logged(
-            fairseq_cmd("preprocess") + [
-                "--source-lang", cfg.src, "--target-lang", cfg.tgt,
-                "--trainpref", os.path.join(dirs["bpe"], "train"),
-                "--validpref", os.path.join(dirs["bpe"], "valid"),
-                "--testpref", os.path.join(dirs["bpe"], "test"),
-                "--destdir", dirs["bin"], "--joined-dictionary", "--workers", "1",
-            ],
-            os.path.join(dirs["logs"], "preprocess.log"), env=env,
-        )
+        binarize(dirs["bpe"], dirs["bin"], cfg.src, cfg.tgt, os.path.join(dirs["logs"], "preprocess.log"), env=env)
     runs = [("tf", "teacher forcing", cfg.max_update, cfg.arch)]
     with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)") as stage:
         run_logged(fairseq_cmd("train") + train_args(cfg, dirs["bin"], os.path.join(dirs["checkpoints"], "tf")),

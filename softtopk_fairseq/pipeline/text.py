@@ -26,6 +26,14 @@ def write_lines(path: str, lines: Iterable[str]) -> None:
         f.writelines(line + "\n" for line in lines)
 
 
+def moses_normalize(lines: Sequence[str], lang: str) -> List[str]:
+    """Moses punctuation normalisation (quotes, dashes, spaces), as fairseq's WMT recipes do before tokenising."""
+    from sacremoses import MosesPunctNormalizer
+
+    norm = MosesPunctNormalizer(lang=lang)
+    return [norm.normalize(line) for line in lines]
+
+
 def moses_tokenize(lines: Sequence[str], lang: str) -> List[str]:
     from sacremoses import MosesTokenizer
 
@@ -85,6 +93,8 @@ class JointBPE:
                 character_coverage=1.0,
                 # fairseq's dictionary adds <s> <pad> </s> <unk> itself.
                 bos_id=-1, eos_id=-1, unk_id=0,
+                # WMT-sized input: learn on a 10M-sentence sample instead of loading every line.
+                input_sentence_size=10_000_000, shuffle_input_sentence=True,
                 minloglevel=2,
             )
         self._codec = None

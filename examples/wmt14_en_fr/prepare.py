@@ -1,0 +1,220 @@
+"""Prepare WMT14 en-fr (or any line-aligned en-fr text) for fairseq: the data step of the paper's setting.
+
+    python examples/wmt14_en_fr/prepare.py --dest data/wmt14_en_fr --download           # WMT14, ~36M pairs
+    python examples/wmt14_en_fr/prepare.py --dest data/slice --train DIR/train \\
+        --valid DIR/val --test DIR/test --max-lines 2000 --bpe-size 1000                # local files, offline
+
+Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
+
+1. ``--download``: fetch the WMT14 corpora (Europarl v7, Common Crawl, UN, News Commentary v9, 10^9
+   French-English) into ``DEST/orig`` (skipped for archives already there), concatenate them as the
+   training set; newstest2013 is the validation set, newstest2014 (``full``) the test set. Without
+   ``--download``: ``--train/--valid/--test PREFIX`` name raw files ``PREFIX.en`` / ``PREFIX.fr``.
+2. Moses punctuation normalisation; with subword-nmt also Moses tokenisation (sentencepiece works on raw
+   text); training pairs with an empty side, more than ``--max-len`` tokens or a length ratio above
+   ``--max-ratio`` are dropped (fairseq's ``clean-corpus-n.perl 1 250`` with ratio 1.5).
+3. Joint BPE learned on the training text: subword-nmt with ``--bpe-size`` merges (40,000, fairseq's
+   and the paper's choice) or a sentencepiece BPE model with that vocabulary size.
+4. ``fairseq-preprocess --joined-dictionary`` into ``DEST/bin``.
+
+The untouched references go to ``DEST/ref/{valid,test}.{en,fr}``; ``evaluate.sh`` scores against them with
+detokenised sacrebleu. Large inputs are streamed in chunks over ``--workers`` processes.
+"""
+import argparse
+import functools
+import gzip
+import html
+import itertools
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import tarfile
+import time
+import urllib.request
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from softtopk_fairseq.pipeline import run, text
+
+LANGS = ("en", "fr")
+# fairseq's prepare-wmt14en2fr.sh, plus dev.tgz for newstest2013.
+WMT14_URLS = [
+    "http://statmt.org/wmt13/training-parallel-europarl-v7.tgz",
+    "http://statmt.org/wmt13/training-parallel-commoncrawl.tgz",
+    "http://statmt.org/wmt13/training-parallel-un.tgz",
+    "http://statmt.org/wmt14/training-parallel-nc-v9.tgz",
+    "http://statmt.org/wmt10/training-giga-fren.tar",
+    "http://statmt.org/wmt14/dev.tgz",
+    "http://statmt.org/wmt14/test-full.tgz",
+]
+# Training corpora inside the extracted archives: PREFIX.en / PREFIX.fr (giga-fren is gzipped).
+WMT14_TRAIN = [
+    "training/europarl-v7.fr-en",
+    "commoncrawl.fr-en",
+    "un/undoc.2000.fr-en",
+    "training/news-commentary-v9.fr-en",
+    "giga-fren.release2.fixed",
+]
+WMT14_VALID = "dev/newstest2013"
+WMT14_TEST_SGM = {"en": "test-full/newstest2014-fren-src.en.sgm", "fr": "test-full/newstest2014-fren-ref.fr.sgm"}
+CHUNK = 10000
+
+
+def download(orig: str) -> None:
+    """Fetch and extract every WMT14 archive into ``orig``; archives already there are not fetched again."""
+    os.makedirs(orig, exist_ok=True)
+    for url in WMT14_URLS:
+        archive = os.path.join(orig, os.path.basename(url))
+        if not os.path.exists(archive):
+            print(f"downloading {url}", flush=True)
+            partial = archive + ".part"
+            urllib.request.urlretrieve(url, partial)
+            os.replace(partial, archive)
+        marker = archive + ".extracted"
+        if not os.path.exists(marker):
+            print(f"extracting {archive}", flush=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(orig, filter="data")
+            open(marker, "w").close()
+
+
+def _open_text(path: str):
+    if os.path.exists(path):
+        return open(path, encoding="utf-8", errors="replace")
+    if os.path.exists(path + ".gz"):
+        return gzip.open(path + ".gz", "rt", encoding="utf-8", errors="replace")
+    raise SystemExit(f"missing corpus file {path} (or {path}.gz)")
+
+
+def read_sgm(path: str) -> List[str]:
+    """The segments of a WMT ``.sgm`` file, in order, with XML entities decoded."""
+    with open(path, encoding="utf-8") as f:
+        return [html.unescape(m.group(1)).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
+
+
+def collect_wmt14(orig: str, out: str) -> Tuple[str, str, str]:
+    """Concatenate the extracted WMT14 corpora into ``out/{train,valid,test}.{en,fr}``; return the prefixes."""
+    os.makedirs(out, exist_ok=True)
+    for lang in LANGS:
+        with open(os.path.join(out, f"train.{lang}"), "w", encoding="utf-8") as dst:
+            for corpus in WMT14_TRAIN:
+                with _open_text(os.path.join(orig, f"{corpus}.{lang}")) as src:
+                    shutil.copyfileobj(src, dst)
+        shutil.copyfile(os.path.join(orig, f"{WMT14_VALID}.{lang}"), os.path.join(out, f"valid.{lang}"))
+        text.write_lines(os.path.join(out, f"test.{lang}"), read_sgm(os.path.join(orig, WMT14_TEST_SGM[lang])))
+    return tuple(os.path.join(out, split) for split in ("train", "valid", "test"))
+
+
+def read_pairs(prefix: str, max_lines: int = 0) -> Iterator[Tuple[List[str], List[str]]]:
+    """Chunks of aligned (en lines, fr lines) of ``prefix.en`` / ``prefix.fr``; raise if they differ in length."""
+    with _open_text(f"{prefix}.en") as f_en, _open_text(f"{prefix}.fr") as f_fr:
+        pairs = itertools.zip_longest(f_en, f_fr)
+        if max_lines > 0:
+            pairs = itertools.islice(pairs, max_lines)
+        while True:
+            chunk = list(itertools.islice(pairs, CHUNK))
+            if not chunk:
+                return
+            if any(en is None or fr is None for en, fr in chunk):
+                raise SystemExit(f"{prefix}.en and {prefix}.fr have different numbers of lines")
+            yield [en.rstrip("\n") for en, _ in chunk], [fr.rstrip("\n") for _, fr in chunk]
+
+
+def clean_pairs(en: Sequence[str], fr: Sequence[str], max_len: int, max_ratio: float):
+    """Drop pairs with an empty side, a side longer than ``max_len`` tokens or a length ratio > ``max_ratio``."""
+    keep_en, keep_fr = [], []
+    for a, b in zip(en, fr):
+        la, lb = len(a.split()), len(b.split())
+        if 0 < la <= max_len and 0 < lb <= max_len and max(la, lb) <= max_ratio * min(la, lb):
+            keep_en.append(a)
+            keep_fr.append(b)
+    return keep_en, keep_fr
+
+
+def _process_chunk(chunk, tokenize: bool, clean: Optional[Tuple[int, float]]):
+    en, fr = chunk
+    out = []
+    for lines, lang in ((en, "en"), (fr, "fr")):
+        lines = text.moses_normalize(lines, lang)
+        out.append(text.moses_tokenize(lines, lang) if tokenize else lines)
+    return clean_pairs(*out, *clean) if clean else tuple(out)
+
+
+def _encode_chunk(chunk, bpe: text.JointBPE):
+    return tuple(bpe.encode(lines) for lines in chunk)
+
+
+def _map_pairs(pool, func, chunks, out_prefix: str) -> int:
+    """Apply ``func`` to chunks of pairs (in ``pool`` when there is one); write ``out_prefix.{en,fr}``."""
+    results = pool.imap(func, chunks) if pool else map(func, chunks)
+    n = 0
+    with open(f"{out_prefix}.en", "w", encoding="utf-8") as f_en, open(f"{out_prefix}.fr", "w", encoding="utf-8") as f_fr:
+        for en, fr in results:
+            f_en.writelines(line + "\n" for line in en)
+            f_fr.writelines(line + "\n" for line in fr)
+            n += len(en)
+    return n
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dest", required=True, help="output directory (orig/, ref/, tok/, bpe/, bin/)")
+    p.add_argument("--download", action="store_true", help="fetch WMT14 en-fr into DEST/orig (needs internet)")
+    p.add_argument("--train", help="prefix of local raw training text (PREFIX.en, PREFIX.fr)")
+    p.add_argument("--valid", help="prefix of local raw validation text")
+    p.add_argument("--test", help="prefix of local raw test text")
+    p.add_argument("--max-lines", type=int, default=0, help="use only the first N training pairs (0: all)")
+    p.add_argument("--bpe", choices=text.BPE_METHODS, default="subword_nmt")
+    p.add_argument("--bpe-size", type=int, default=40000,
+                   help="merges (subword-nmt) or vocabulary size (sentencepiece); default 40000")
+    p.add_argument("--max-len", type=int, default=250, help="longest training sentence kept, in tokens")
+    p.add_argument("--max-ratio", type=float, default=1.5, help="largest length ratio of a kept training pair")
+    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    args = p.parse_args(argv)
+    local = [args.train, args.valid, args.test]
+    if args.download == any(local) or (not args.download and not all(local)):
+        p.error("give either --download or all of --train, --valid and --test")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    start = time.time()
+    dirs = {name: os.path.join(args.dest, name) for name in ("orig", "ref", "tok", "bpe", "bin")}
+    shutil.rmtree(dirs["bin"], ignore_errors=True)  # fairseq-preprocess refuses to overwrite
+    for name in ("ref", "tok", "bpe"):
+        os.makedirs(dirs[name], exist_ok=True)
+    if args.download:
+        download(dirs["orig"])
+        prefixes = dict(zip(("train", "valid", "test"), collect_wmt14(dirs["orig"], os.path.join(dirs["orig"], "raw"))))
+    else:
+        prefixes = {"train": args.train, "valid": args.valid, "test": args.test}
+    bpe = text.JointBPE(args.bpe, dirs["bpe"])
+    pool = multiprocessing.Pool(args.workers) if args.workers > 1 else None
+    try:
+        for split, prefix in prefixes.items():
+            clean = (args.max_len, args.max_ratio) if split == "train" else None
+            func = functools.partial(_process_chunk, tokenize=bpe.pretokenize, clean=clean)
+            n = _map_pairs(pool, func, read_pairs(prefix, args.max_lines if split == "train" else 0),
+                           os.path.join(dirs["tok"], split))
+            print(f"{split}: {n} sentence pairs", flush=True)
+        for split in ("valid", "test"):
+            for lang in LANGS:
+                shutil.copyfile(f"{prefixes[split]}.{lang}", os.path.join(dirs["ref"], f"{split}.{lang}"))
+        bpe.learn([os.path.join(dirs["tok"], f"train.{lang}") for lang in LANGS], args.bpe_size)
+        print(f"BPE ({args.bpe}, size {args.bpe_size}): {bpe.model_path}", flush=True)
+        for split in prefixes:
+            _map_pairs(pool, functools.partial(_encode_chunk, bpe=bpe),
+                       read_pairs(os.path.join(dirs["tok"], split)), os.path.join(dirs["bpe"], split))
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    run.binarize(dirs["bpe"], dirs["bin"], "en", "fr", os.path.join(args.dest, "preprocess.log"),
+                 workers=args.workers)
+    print(f"done in {time.time() - start:.0f} s: fairseq data in {dirs['bin']}, references in {dirs['ref']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

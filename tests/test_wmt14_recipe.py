@@ -1,0 +1,117 @@
+"""examples/wmt14_en_fr end to end on a small slice of generated en-fr text, as a user runs it: prepare.py
+(local files), train.sh, finetune_soft_beam.sh, train_topk_attn.sh and evaluate.sh with tiny models; and the
+WMT14 collection step on a fake download (no network in tests)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fairseq_cli import REPO_ROOT, TINY_SIZES
+from softtopk_fairseq.pipeline import text, toy_corpus
+
+RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
+sys.path.insert(0, RECIPE)
+import prepare  # noqa: E402  (the recipe's script, imported for its helpers)
+
+TINY_TRAIN = ["--cpu", "--max-tokens", "600", "--batch-size", "16", "--log-interval", "1",
+              "--save-interval-updates", "0", "--num-workers", "0", *TINY_SIZES["rnnsearch"]]
+
+
+def _run(*cmd, env_extra=None):
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env_extra or {}))
+    proc = subprocess.run([*map(str, cmd)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, f"{cmd[:2]} failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+    return proc.stdout
+
+
+def _write_corpus(root, sizes=(240, 20, 12)):
+    prefixes = {}
+    for (split, n), seed in zip(zip(("train", "valid", "test"), sizes), (1, 2, 3)):
+        prefixes[split] = str(root / split)
+        toy_corpus.write_split(prefixes[split], n, seed, ("en", "fr"))
+    return prefixes
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wmt14_slice")
+    raw = _write_corpus(root)
+    dest = root / "data"
+    out = _run(sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", dest, "--train", raw["train"],
+               "--valid", raw["valid"], "--test", raw["test"], "--max-lines", 200, "--bpe-size", 100,
+               "--workers", 2)
+    return root, dest, raw, out
+
+
+def test_prepare_builds_fairseq_data_and_keeps_the_raw_references(prepared):
+    _, dest, raw, out = prepared
+    assert "train: 200 sentence pairs" in out  # --max-lines, and the toy text survives cleaning
+    for split in ("train", "valid", "test"):
+        for lang in ("en", "fr"):
+            assert (dest / "bin" / f"{split}.en-fr.{lang}.bin").exists()
+    assert text.read_lines(dest / "ref" / "test.fr") == text.read_lines(raw["test"] + ".fr")
+    bpe_lines = text.read_lines(dest / "bpe" / "train.fr")
+    assert len(bpe_lines) == 200 and any("@@" in line for line in bpe_lines)
+
+
+def test_clean_pairs_drops_empty_long_and_unbalanced_pairs():
+    en = ["a b", "", "a " * 300, "a", "x y z"]
+    fr = ["c d", "e", "b", "a b c d", "u v w"]
+    assert prepare.clean_pairs(en, fr, max_len=250, max_ratio=1.5) == (["a b", "x y z"], ["c d", "u v w"])
+
+
+def test_collect_wmt14_reads_the_extracted_archives(tmp_path):
+    orig = tmp_path / "orig"
+    for i, corpus in enumerate(prepare.WMT14_TRAIN):
+        for lang in ("en", "fr"):
+            path = orig / f"{corpus}.{lang}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if corpus.startswith("giga"):
+                import gzip
+
+                with gzip.open(str(path) + ".gz", "wt", encoding="utf-8") as f:
+                    f.write(f"{corpus} {lang} line\n")
+            else:
+                path.write_text(f"{corpus} {lang} line\n", encoding="utf-8")
+    for lang in ("en", "fr"):
+        (orig / "dev").mkdir(exist_ok=True)
+        (orig / f"{prepare.WMT14_VALID}.{lang}").write_text(f"valid {lang}\n", encoding="utf-8")
+        sgm = orig / prepare.WMT14_TEST_SGM[lang]
+        sgm.parent.mkdir(exist_ok=True)
+        sgm.write_text('<srcset>\n<doc docid="d">\n<seg id="1"> A &amp; B </seg>\n<seg id="2">l&apos;homme</seg>\n'
+                       "</doc>\n</srcset>\n", encoding="utf-8")
+    train, valid, test = prepare.collect_wmt14(str(orig), str(tmp_path / "raw"))
+    assert text.read_lines(train + ".fr") == [f"{c} fr line" for c in prepare.WMT14_TRAIN]
+    assert text.read_lines(valid + ".en") == ["valid en"]
+    assert text.read_lines(test + ".fr") == ["A & B", "l'homme"]
+
+
+def test_prepare_rejects_mixed_or_missing_sources():
+    with pytest.raises(SystemExit):
+        prepare.parse_args(["--dest", "x", "--train", "a"])
+    with pytest.raises(SystemExit):
+        prepare.parse_args(["--dest", "x", "--download", "--train", "a", "--valid", "b", "--test", "c"])
+
+
+def test_recipe_trains_fine_tunes_and_evaluates(prepared):
+    root, dest, _, _ = prepared
+    ckpt = root / "ckpt"
+    out = _run("bash", os.path.join(RECIPE, "train.sh"), dest, ckpt / "tf", *TINY_TRAIN, "--max-update", 3)
+    assert "num_updates 3" in out or "num_updates=3" in out
+    pretrained = ckpt / "tf" / "checkpoint_last.pt"
+    out = _run("bash", os.path.join(RECIPE, "finetune_soft_beam.sh"), dest, pretrained, ckpt / "soft_beam",
+               *TINY_TRAIN, "--max-update", 2, "--soft-beam-size", 2, "--soft-beam-candidates", 8)
+    assert "soft_loss" in out and "loaded checkpoint" in out.lower()
+    out = _run("bash", os.path.join(RECIPE, "train_topk_attn.sh"), dest, ckpt / "topk_attn", *TINY_TRAIN,
+               "--max-update", 2)
+    assert "rnnsearch_topk_attn" in out
+    for run in ("soft_beam", "topk_attn"):
+        out = _run("bash", os.path.join(RECIPE, "evaluate.sh"), dest, ckpt / run / "checkpoint_last.pt",
+                   env_extra={"BEAM": "2", "SUBSET": "valid"})
+        score = json.loads(out[out.index("{"):])
+        assert score["name"] == "BLEU" and 0.0 <= score["score"] <= 100.0
+        hyps = text.read_lines(ckpt / run / "valid.beam2.fr")
+        assert len(hyps) == 20 and "@@" not in " ".join(hyps)
+        assert float((ckpt / run / "valid.beam2.bleu").read_text()) == pytest.approx(score["score"], abs=0.01)
