@@ -1,0 +1,272 @@
+"""The Multi30k en-fr study (issue 6): the WMT14 recipe's own scripts on 29k pairs of real text, at CPU scale.
+
+    python benchmarks/multi30k_study.py run    --data ../shared/data/multi30k_en_fr --workdir work/study
+    python benchmarks/multi30k_study.py report --workdir work/study            # markdown tables
+    python benchmarks/multi30k_study.py plot   --workdir work/study --out docs/figures
+
+``run`` prepares the data with ``examples/wmt14_en_fr/prepare.py`` (sentencepiece, 8k), pre-trains one
+teacher-forcing RNNsearch with ``train.sh``, then fine-tunes it for ``--finetune-updates`` updates per
+run and seed with ``finetune_soft_beam.sh`` (continued teacher forcing = rho 1; soft beam search with the
+paper's settings; the softmax-k-times relaxation; a small epsilon / rho sweep scored on ``val`` only), and
+scores every checkpoint with ``evaluate.sh`` (beam 5, sacrebleu) on val and test_2016_flickr. The
+attention rows train a small transformer from scratch with softmax, SOFT top-k and hard top-k
+encoder-decoder attention. CPU-sized changes to the recipe (smaller model, Adam at a constant rate,
+fewer updates) are passed as extra arguments, which the scripts put last. Results accumulate in
+``WORKDIR/results.jsonl``; a run already there is skipped, so ``run`` resumes after an interruption.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
+
+# CPU scale: the rnnsearch default size (256-unit GRUs), Adam at a constant rate (the recipe's manual
+# schedule with one entry), batches of at most 4096 tokens.
+COMMON = ["--cpu", "--max-tokens", "4096", "--batch-size", "256", "--num-workers", "0",
+          "--save-interval-updates", "0", "--log-interval", "10", "--optimizer", "adam",
+          "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0"]
+PRETRAIN = ["--arch", "rnnsearch", "--lr", "0.001", "--update2lr", "{'1': 0.001}"]
+FINETUNE = ["--arch", "rnnsearch", "--lr", "0.0001"]
+TF_RUN = ["--teacher-forcing-ratio", "1.0"]  # the criterion at rho = 1 is label_smoothed_cross_entropy exactly
+PAPER = ["--teacher-forcing-ratio", "0.8", "--soft-beam-size", "5", "--soft-topk-epsilon", "0.1",
+         "--soft-topk-scaling", "paper", "--soft-beam-candidates", "50"]
+
+
+def finetune_runs(args) -> Dict[str, List[str]]:
+    """Run name -> extra arguments of finetune_soft_beam.sh (after the recipe's defaults)."""
+    runs = {"tf": TF_RUN, "soft_beam": PAPER, "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"]}
+    return runs
+
+
+def sweep_runs(args) -> Dict[str, List[str]]:
+    runs = {}
+    for eps in args.sweep_epsilon:
+        runs[f"soft_beam_eps{eps:g}"] = PAPER + ["--soft-topk-epsilon", f"{eps:g}"]
+    for rho in args.sweep_rho:
+        runs[f"soft_beam_rho{rho:g}"] = PAPER + ["--teacher-forcing-ratio", f"{rho:g}"]
+    return runs
+
+
+ATTENTION = {
+    "softmax": ["--topk-attn-mode", "softmax"],
+    "soft_topk": ["--topk-attn-mode", "soft"],
+    "hard_topk": ["--topk-attn-mode", "hard"],
+}
+TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--encoder-layers", "2",
+               "--decoder-layers", "2", "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+               "--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256",
+               "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--dropout", "0.1",
+               "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1", "--topk-attn-inference", "same",
+               "--lr", "0.001", "--update2lr", "{'1': 0.001}"]
+
+
+def sh(cmd: List[str], log: str, env_extra=None) -> str:
+    print("$ " + " ".join(cmd), flush=True)
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", **(env_extra or {}))
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, text=True)
+    if proc.returncode != 0:
+        with open(log, encoding="utf-8") as f:
+            sys.stdout.write(f.read()[-4000:])
+        raise SystemExit(f"failed ({proc.returncode}): see {log}")
+    with open(log, encoding="utf-8") as f:
+        return f.read()
+
+
+def load_results(workdir: str) -> Dict[str, dict]:
+    path = os.path.join(workdir, "results.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {r["key"]: r for r in map(json.loads, f)}
+
+
+def record(workdir: str, row: dict) -> None:
+    with open(os.path.join(workdir, "results.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def evaluate(data: str, ckpt: str, subsets: List[str]) -> Dict[str, float]:
+    bleu = {}
+    for subset in subsets:
+        out = sh(["bash", os.path.join(RECIPE, "evaluate.sh"), data, ckpt],
+                 os.path.join(os.path.dirname(ckpt), f"evaluate.{subset}.log"), {"SUBSET": subset, "BEAM": "5"})
+        bleu[subset] = json.loads(out[out.index("{"):])["score"]
+    return bleu
+
+
+def train_and_score(args, key: str, group: str, script: str, positional: List[str], extra: List[str],
+                    subsets: List[str], done: Dict[str, dict], **info) -> None:
+    """``bash RECIPE/script DATA *positional SAVE_DIR *extra``, then score its last checkpoint; skip if done."""
+    if key in done:
+        print(f"{key}: done before, skipped", flush=True)
+        return
+    data = os.path.join(args.workdir, "data")
+    save = os.path.join(args.workdir, "checkpoints", key)
+    os.makedirs(save, exist_ok=True)
+    start = time.time()
+    sh(["bash", os.path.join(RECIPE, script), data, *positional, save, *extra], os.path.join(save, "train.log"))
+    seconds = time.time() - start
+    bleu = evaluate(data, os.path.join(save, "checkpoint_last.pt"), subsets)
+    record(args.workdir, {"key": key, "group": group, "train_s": round(seconds, 1), "bleu": bleu, "extra": extra,
+                          **info})
+
+
+def run(args) -> None:
+    os.makedirs(args.workdir, exist_ok=True)
+    data = os.path.join(args.workdir, "data")
+    d = args.data
+    if not os.path.exists(os.path.join(data, "bin", "dict.fr.txt")):
+        sh([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", data, "--train", f"{d}/train",
+            "--valid", f"{d}/val", "--test", f"{d}/test_2016_flickr", "--bpe", "sentencepiece", "--bpe-size", str(args.bpe_size),
+            "--workers", "2"], os.path.join(args.workdir, "prepare.log"))
+    done = load_results(args.workdir)
+    both = ["valid", "test"]
+    if "pretrain" in args.stages:
+        train_and_score(args, "pretrain", "pretrain", "train.sh", [],
+                        COMMON + PRETRAIN + ["--max-update", str(args.pretrain_updates), "--seed", "1"],
+                        both, done, seed=1, updates=args.pretrain_updates)
+    pretrained = os.path.join(args.workdir, "checkpoints", "pretrain", "checkpoint_last.pt")
+
+    def finetune(key, group, extra, seed, subsets):
+        train_and_score(args, key, group, "finetune_soft_beam.sh", [pretrained],
+                        COMMON + FINETUNE + extra + ["--max-update", str(args.finetune_updates), "--seed", str(seed)],
+                        subsets, done, seed=seed, updates=args.finetune_updates)
+
+    if "finetune" in args.stages:
+        for seed in args.seeds:
+            for name, extra in finetune_runs(args).items():
+                finetune(f"{name}.seed{seed}", name, extra, seed, both)
+    if "sweep" in args.stages:
+        for name, extra in sweep_runs(args).items():
+            finetune(f"{name}.seed{args.seeds[0]}", name, extra, args.seeds[0], ["valid"])
+    if "attention" in args.stages:
+        for seed in args.seeds[: args.attention_seeds]:
+            for name, extra in ATTENTION.items():
+                train_and_score(args, f"attn_{name}.seed{seed}", f"attn_{name}", "train.sh", [],
+                                COMMON + TRANSFORMER + extra
+                                + ["--max-update", str(args.attention_updates), "--seed", str(seed)],
+                                both, done, seed=seed, updates=args.attention_updates)
+
+
+def _mean_std(values: List[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def report(args) -> str:
+    rows = list(load_results(args.workdir).values())
+    groups: Dict[str, List[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    lines = ["| run | seeds | BLEU val (beam 5) | BLEU test_2016_flickr (beam 5) | train s per run |", "|---|---|---|---|---|"]
+    for group, rs in groups.items():
+        val = [r["bleu"]["valid"] for r in rs]
+        test = [r["bleu"]["test"] for r in rs if "test" in r["bleu"]]
+        lines.append(f"| {group} | {len(rs)} | {_mean_std(val)} | {_mean_std(test) if test else '-'} | "
+                     f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def training_curve(log_path: str, key: str) -> List[tuple]:
+    points = []
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            if "| train_inner |" in line:
+                fields = dict(re.findall(r"(\w+)=([-\d.e+]+)", line))
+                if key in fields:
+                    points.append((int(fields["num_updates"]), float(fields[key])))
+    return points
+
+
+def last_value(argv: List[str], flag: str) -> str:
+    """The value fairseq takes for ``flag``: the one after its last occurrence."""
+    return argv[len(argv) - argv[::-1].index(flag)]
+
+
+def plot(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(args.out, exist_ok=True)
+    results = load_results(args.workdir)
+    # BLEU (val) against epsilon: the sweep plus the paper's 0.1 from the seeded runs.
+    eps_points = {}
+    for r in results.values():
+        extra = r.get("extra") or []
+        if r["group"].startswith("soft_beam") and "rho" not in r["group"]:
+            eps = float(last_value(extra, "--soft-topk-epsilon"))
+            eps_points.setdefault(eps, []).append(r["bleu"]["valid"])
+    tf = [r["bleu"]["valid"] for r in results.values() if r["group"] == "tf"]
+    if eps_points:
+        fig, ax = plt.subplots(figsize=(4.5, 3.2))
+        xs = sorted(eps_points)
+        ax.plot(xs, [statistics.mean(eps_points[x]) for x in xs], "o-", label="soft beam search (rho 0.8)")
+        for x in xs:
+            ax.plot([x] * len(eps_points[x]), eps_points[x], ".", color="C0", alpha=0.4)
+        if tf:
+            ax.axhline(statistics.mean(tf), color="C1", ls="--", label="continued teacher forcing")
+        ax.set_xscale("log")
+        ax.set_xlabel("epsilon (paper scaling)")
+        ax.set_ylabel("BLEU, Multi30k val, beam 5")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "multi30k_bleu_vs_epsilon.png"), dpi=120)
+        plt.close(fig)
+    # Training curves: teacher-forcing NLL (bits/token) along the fine-tuning, one line per run.
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for key, r in sorted(results.items()):
+        log = os.path.join(args.workdir, "checkpoints", key, "train.log")
+        if not os.path.exists(log):
+            continue
+        ax = axes[0] if key == "pretrain" or key.startswith("attn_") else axes[1]
+        pts = training_curve(log, "nll_loss")
+        if pts:
+            ax.plot(*zip(*pts), label=key, lw=1)
+    axes[0].set_title("from scratch (teacher forcing)")
+    axes[1].set_title("fine-tuning from the pre-trained model")
+    for ax in axes:
+        ax.set_xlabel("updates")
+        ax.set_ylabel("train NLL (bits/token)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "multi30k_training_curves.png"), dpi=120)
+    plt.close(fig)
+    print(f"figures in {args.out}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["run", "report", "plot"])
+    p.add_argument("--data", default=os.path.join(REPO_ROOT, "..", "shared", "data", "multi30k_en_fr"))
+    p.add_argument("--workdir", default=os.path.join(REPO_ROOT, "work", "study"))
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "docs", "figures"))
+    p.add_argument("--stages", nargs="+", default=["pretrain", "finetune", "sweep", "attention"],
+                   choices=["pretrain", "finetune", "sweep", "attention"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--bpe-size", type=int, default=8000, help="sentencepiece vocabulary size")
+    p.add_argument("--pretrain-updates", type=int, default=600)
+    p.add_argument("--finetune-updates", type=int, default=50)
+    p.add_argument("--sweep-epsilon", type=float, nargs="*", default=[0.01, 1.0])
+    p.add_argument("--sweep-rho", type=float, nargs="*", default=[0.5])
+    p.add_argument("--attention-updates", type=int, default=600)
+    p.add_argument("--attention-seeds", type=int, default=1)
+    args = p.parse_args(argv)
+    {"run": run, "report": report, "plot": plot}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
