@@ -51,6 +51,9 @@ def sweep_runs(args) -> Dict[str, List[str]]:
         runs[f"soft_beam_eps{eps:g}"] = PAPER + ["--soft-topk-epsilon", f"{eps:g}"]
     for rho in args.sweep_rho:
         runs[f"soft_beam_rho{rho:g}"] = PAPER + ["--teacher-forcing-ratio", f"{rho:g}"]
+    if args.sweep_bookkeeping:
+        # k distinct beams: with the paper's scaling, argmax bookkeeping makes every beam the same (docs/results.md).
+        runs["soft_beam_topk_bookkeeping"] = PAPER + ["--soft-beam-bookkeeping", "topk"]
     return runs
 
 
@@ -207,7 +210,7 @@ def plot(args) -> None:
     eps_points = {}
     for r in results.values():
         extra = r.get("extra") or []
-        if r["group"].startswith("soft_beam") and "rho" not in r["group"]:
+        if r["group"] == "soft_beam" or r["group"].startswith("soft_beam_eps"):
             eps = float(last_value(extra, "--soft-topk-epsilon"))
             eps_points.setdefault(eps, []).append(r["bleu"]["valid"])
     tf = [r["bleu"]["valid"] for r in results.values() if r["group"] == "tf"]
@@ -241,7 +244,8 @@ def plot(args) -> None:
     for ax in axes:
         ax.set_xlabel("updates")
         ax.set_ylabel("train NLL (bits/token)")
-        ax.legend(fontsize=6)
+        if ax.lines:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "multi30k_training_curves.png"), dpi=120)
     plt.close(fig)
@@ -262,6 +266,8 @@ def main(argv=None) -> None:
     p.add_argument("--finetune-updates", type=int, default=50)
     p.add_argument("--sweep-epsilon", type=float, nargs="*", default=[0.01, 1.0])
     p.add_argument("--sweep-rho", type=float, nargs="*", default=[0.5])
+    p.add_argument("--no-sweep-bookkeeping", dest="sweep_bookkeeping", action="store_false",
+                   help="leave out the --soft-beam-bookkeeping topk run of the sweep")
     p.add_argument("--attention-updates", type=int, default=600)
     p.add_argument("--attention-seeds", type=int, default=1)
     args = p.parse_args(argv)

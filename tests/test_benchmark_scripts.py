@@ -19,3 +19,32 @@ def test_benchmark_script_prints_its_table(script, args, rows):
     assert out.returncode == 0, out.stderr[-3000:]
     table = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table) == rows + 1, out.stdout  # header + one row per configuration
+
+
+def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):
+    sys.path.insert(0, BENCH)
+    import multi30k_study as study
+
+    work = tmp_path / "study"
+    work.mkdir()
+    paper = ["--cpu", *study.PAPER]
+    rows = [("tf.seed1", "tf", [], {"valid": 40.0, "test": 41.0}),
+            ("tf.seed2", "tf", [], {"valid": 42.0, "test": 43.0}),
+            ("soft_beam.seed1", "soft_beam", paper, {"valid": 39.0, "test": 40.0}),
+            ("soft_beam_eps1.seed1", "soft_beam_eps1", paper + ["--soft-topk-epsilon", "1"], {"valid": 38.0})]
+    for key, group, extra, bleu in rows:
+        study.record(str(work), {"key": key, "group": group, "train_s": 10.0, "bleu": bleu, "extra": extra})
+        (work / "checkpoints" / key).mkdir(parents=True)
+        (work / "checkpoints" / key / "train.log").write_text(
+            "2026-11-22 10:26:38 | INFO | train_inner | epoch 001:     50 / 139 loss=7.255, nll_loss=6.311, "
+            "ppl=79.38, num_updates=50, lr=0.001\n"
+            "2026-11-22 10:27:38 | INFO | train_inner | epoch 001:    100 / 139 loss=6.1, nll_loss=5.5, "
+            "num_updates=100, lr=0.001\n")
+    table = study.report(type("A", (), {"workdir": str(work)}))
+    assert "| tf | 2 | 41.00 ± 1.41 | 42.00 ± 1.41 | 10 |" in table
+    assert "| soft_beam_eps1 | 1 | 38.00 | - | 10 |" in table
+    assert study.last_value(paper + ["--soft-topk-epsilon", "1"], "--soft-topk-epsilon") == "1"
+    assert study.training_curve(str(work / "checkpoints" / "tf.seed1" / "train.log"), "nll_loss") == [
+        (50, 6.311), (100, 5.5)]
+    study.main(["plot", "--workdir", str(work), "--out", str(tmp_path / "fig")])
+    assert sorted(os.listdir(tmp_path / "fig")) == ["multi30k_bleu_vs_epsilon.png", "multi30k_training_curves.png"]

@@ -1,5 +1,5 @@
 """Top-k attention in fairseq's own attention layers, and the ``transformer_topk_attn``, ``lstm_topk_attn`` and
-``rnnsearch_topk_attn`` architectures (paper App. I.3). The weights come from
+``rnnsearch_topk_attn`` (+ ``_wmt14_en_fr``) architectures (paper App. I.3). The weights come from
 :func:`softtopk_fairseq.modules.topk_attention.topk_attention_weights`; here they are only wired in.
 
 Stock layers are built by fairseq as usual and then given the top-k class (``layer.__class__ = ...``): the
