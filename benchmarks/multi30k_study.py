@@ -51,6 +51,12 @@ def sweep_runs(args) -> Dict[str, List[str]]:
         runs[f"soft_beam_eps{eps:g}"] = PAPER + ["--soft-topk-epsilon", f"{eps:g}"]
     for rho in args.sweep_rho:
         runs[f"soft_beam_rho{rho:g}"] = PAPER + ["--teacher-forcing-ratio", f"{rho:g}"]
+    for beam in args.sweep_beam:
+        runs[f"soft_beam_beam{beam}"] = PAPER + ["--soft-beam-size", str(beam)]
+    for m in args.sweep_candidates:
+        runs[f"soft_beam_M{m}"] = PAPER + ["--soft-beam-candidates", str(m)]
+    for it in args.sweep_max_iter:
+        runs[f"soft_beam_iter{it}"] = PAPER + ["--soft-topk-max-iter", str(it)]
     if args.sweep_bookkeeping:
         # k distinct beams: with the paper's scaling, argmax bookkeeping makes every beam the same (docs/results.md).
         runs["soft_beam_topk_bookkeeping"] = PAPER + ["--soft-beam-bookkeeping", "topk"]
@@ -266,6 +272,9 @@ def main(argv=None) -> None:
     p.add_argument("--finetune-updates", type=int, default=50)
     p.add_argument("--sweep-epsilon", type=float, nargs="*", default=[0.01, 1.0])
     p.add_argument("--sweep-rho", type=float, nargs="*", default=[0.5])
+    p.add_argument("--sweep-beam", type=int, nargs="*", default=[3])
+    p.add_argument("--sweep-candidates", type=int, nargs="*", default=[200], help="pruning sizes M")
+    p.add_argument("--sweep-max-iter", type=int, nargs="*", default=[1], help="solver iteration caps")
     p.add_argument("--no-sweep-bookkeeping", dest="sweep_bookkeeping", action="store_false",
                    help="leave out the --soft-beam-bookkeeping topk run of the sweep")
     p.add_argument("--attention-updates", type=int, default=600)
