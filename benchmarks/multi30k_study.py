@@ -177,15 +177,31 @@ def report(args) -> str:
     groups: Dict[str, List[dict]] = {}
     for r in rows:
         groups.setdefault(r["group"], []).append(r)
-    lines = ["| run | seeds | BLEU val (beam 5) | BLEU test_2016_flickr (beam 5) | train s per run |", "|---|---|---|---|---|"]
+    lines = ["| run | seeds | BLEU val (beam 5) | BLEU test_2016_flickr (beam 5) | val NLL (bits/token) | "
+             "train s per run |", "|---|---|---|---|---|---|"]
     for group, rs in groups.items():
         val = [r["bleu"]["valid"] for r in rs]
         test = [r["bleu"]["test"] for r in rs if "test" in r["bleu"]]
-        lines.append(f"| {group} | {len(rs)} | {_mean_std(val)} | {_mean_std(test) if test else '-'} | "
+        nll = [v for v in (final_valid(os.path.join(args.workdir, "checkpoints", r["key"], "train.log"), "nll_loss")
+                           for r in rs) if v is not None]
+        nll_cell = f"{statistics.mean(nll):.3f}" if nll else "-"
+        lines.append(f"| {group} | {len(rs)} | {_mean_std(val)} | {_mean_std(test) if test else '-'} | {nll_cell} | "
                      f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
     table = "\n".join(lines)
     print(table)
     return table
+
+
+def final_valid(log_path: str, key: str):
+    """``key`` of the last validation line of a fairseq log (teacher-forced, on the valid subset), or None."""
+    value = None
+    if os.path.exists(log_path):
+        with open(log_path, encoding="utf-8") as f:
+            for line in f:
+                m = re.search(rf"valid on 'valid' subset .*\| {key} ([-\d.e+]+)", line)
+                if m:
+                    value = float(m.group(1))
+    return value
 
 
 def training_curve(log_path: str, key: str) -> List[tuple]:
