@@ -239,7 +239,8 @@ def plot(args) -> None:
     if eps_points:
         fig, ax = plt.subplots(figsize=(4.5, 3.2))
         xs = sorted(eps_points)
-        ax.plot(xs, [statistics.mean(eps_points[x]) for x in xs], "o-", label="soft beam search (rho 0.8)")
+        ax.plot(xs, [statistics.mean(eps_points[x]) for x in xs], "o-",
+                label="soft beam search, rho 0.8 (mean; dots: seeds)")
         for x in xs:
             ax.plot([x] * len(eps_points[x]), eps_points[x], ".", color="C0", alpha=0.4)
         if tf:
@@ -251,21 +252,35 @@ def plot(args) -> None:
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "multi30k_bleu_vs_epsilon.png"), dpi=120)
         plt.close(fig)
-    # Training curves: teacher-forcing NLL (bits/token) along the fine-tuning, one line per run.
+    # Training curves. Left: pre-training (and from-scratch attention runs). Right: fine-tuning runs as the
+    # difference to continued teacher forcing with the same seed -- the same batches, so batch noise cancels.
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for key, r in sorted(results.items()):
+    curves = {}
+    for key in sorted(results):
         log = os.path.join(args.workdir, "checkpoints", key, "train.log")
-        if not os.path.exists(log):
+        if os.path.exists(log):
+            curves[key] = dict(training_curve(log, "nll_loss"))
+    for key, pts in curves.items():
+        if key == "pretrain" or key.startswith("attn_"):
+            axes[0].plot(list(pts), list(pts.values()), label=key, lw=1)
+    by_group: Dict[str, List[Dict[int, float]]] = {}
+    for key, pts in curves.items():
+        group, _, seed = key.rpartition(".")
+        baseline = curves.get(f"tf.{seed}")
+        if group in ("tf", "pretrain") or group.startswith("attn_") or not baseline:
             continue
-        ax = axes[0] if key == "pretrain" or key.startswith("attn_") else axes[1]
-        pts = training_curve(log, "nll_loss")
-        if pts:
-            ax.plot(*zip(*pts), label=key, lw=1)
+        by_group.setdefault(group, []).append({u: v - baseline[u] for u, v in pts.items() if u in baseline})
+    for group, diffs in sorted(by_group.items()):
+        updates = sorted(set.intersection(*(set(d) for d in diffs)))
+        axes[1].plot(updates, [statistics.mean(d[u] for d in diffs) for u in updates], "o-", lw=1, ms=3,
+                     label=f"{group} ({len(diffs)} seed{'s' if len(diffs) > 1 else ''})")
+    axes[1].axhline(0, color="k", lw=0.8)
     axes[0].set_title("from scratch (teacher forcing)")
-    axes[1].set_title("fine-tuning from the pre-trained model")
+    axes[0].set_ylabel("train NLL (bits/token)")
+    axes[1].set_title("fine-tuning: minus continued teacher forcing")
+    axes[1].set_ylabel("train NLL difference (bits/token)")
     for ax in axes:
         ax.set_xlabel("updates")
-        ax.set_ylabel("train NLL (bits/token)")
         if ax.lines:
             ax.legend(fontsize=6)
     fig.tight_layout()
