@@ -39,10 +39,9 @@ PAPER = ["--teacher-forcing-ratio", "0.8", "--soft-beam-size", "5", "--soft-topk
          "--soft-topk-scaling", "paper", "--soft-beam-candidates", "50"]
 
 
-def finetune_runs(args) -> Dict[str, List[str]]:
-    """Run name -> extra arguments of finetune_soft_beam.sh (after the recipe's defaults)."""
-    runs = {"tf": TF_RUN, "soft_beam": PAPER, "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"]}
-    return runs
+# Run name -> extra arguments of finetune_soft_beam.sh (after the recipe's defaults), one run per seed.
+FINETUNE_RUNS = {"tf": TF_RUN, "soft_beam": PAPER,
+                 "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"]}
 
 
 def sweep_runs(args) -> Dict[str, List[str]]:
@@ -152,7 +151,7 @@ def run(args) -> None:
 
     if "finetune" in args.stages:
         for seed in args.seeds:
-            for name, extra in finetune_runs(args).items():
+            for name, extra in FINETUNE_RUNS.items():
                 finetune(f"{name}.seed{seed}", name, extra, seed, both)
     if "sweep" in args.stages:
         for name, extra in sweep_runs(args).items():

@@ -31,4 +31,4 @@ if [ "$N_HYP" -ne "$N_REF" ]; then
     echo "error: $N_HYP hypotheses for $N_REF references (see $NAME.log)" >&2; exit 1
 fi
 "$PYTHON" -m sacrebleu "$DEST/ref/$SUBSET.fr" -i "$NAME.fr" -m bleu -w 2 | tee "$NAME.sacrebleu.json"
-"$PYTHON" -m sacrebleu "$DEST/ref/$SUBSET.fr" -i "$NAME.fr" -m bleu -b -w 2 > "$NAME.bleu"
+"$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["score"])' "$NAME.sacrebleu.json" > "$NAME.bleu"
