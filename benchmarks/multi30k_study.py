@@ -19,10 +19,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from typing import Dict, List
+
+from softtopk_fairseq.pipeline.run import run_logged
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
@@ -76,16 +77,9 @@ TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--e
 
 
 def sh(cmd: List[str], log: str, env_extra=None) -> str:
-    print("$ " + " ".join(cmd), flush=True)
+    """Run ``cmd`` with the pipeline's runner (output to stdout and ``log``; raises on failure)."""
     env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", **(env_extra or {}))
-    with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, text=True)
-    if proc.returncode != 0:
-        with open(log, encoding="utf-8") as f:
-            sys.stdout.write(f.read()[-4000:])
-        raise SystemExit(f"failed ({proc.returncode}): see {log}")
-    with open(log, encoding="utf-8") as f:
-        return f.read()
+    return run_logged(cmd, log, env=env)
 
 
 def load_results(workdir: str) -> Dict[str, dict]:

@@ -141,7 +141,13 @@ def _process_chunk(chunk, tokenize: bool, clean: Optional[Tuple[int, float]]):
     return clean_pairs(*out, *clean) if clean else tuple(out)
 
 
+_WORKER_BPE = {}  # model path -> JointBPE with its codec loaded, one per worker process
+
+
 def _encode_chunk(chunk, bpe: text.JointBPE):
+    # Each pool task receives a fresh pickled copy without a codec; keep the first one per worker so the
+    # BPE model is read once per process, not once per chunk.
+    bpe = _WORKER_BPE.setdefault(bpe.model_path, bpe)
     return tuple(bpe.encode(lines) for lines in chunk)
 
 
