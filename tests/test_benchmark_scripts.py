@@ -42,6 +42,16 @@ def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):
             "num_updates=100, lr=0.001\n"
             "2026-11-22 10:50:04 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 4.172 | nll_loss 2.724 "
             "| tf_loss 4.172 | ppl 6.6 | num_updates 50\n")
+    results = study.load_results(str(work))
+    assert study.best_sweep_run(results, ["soft_beam_eps1"], seed=1) is None  # 38 < the paper setting's 39
+    study.record(str(work), {"key": "soft_beam_eps1.seed1", "group": "soft_beam_eps1", "train_s": 10.0,
+                             "bleu": {"valid": 39.5}, "extra": paper + ["--soft-topk-epsilon", "1"]})
+    results = study.load_results(str(work))
+    assert results["soft_beam_eps1.seed1"]["bleu"] == {"valid": 39.5}  # the later row of a key wins
+    assert study.best_sweep_run(results, ["soft_beam_eps1", "soft_beam_rho0.5"], seed=1) == "soft_beam_eps1"
+    assert study.best_sweep_run(results, ["soft_beam_eps1"], seed=2) is None  # not run at that seed
+    study.record(str(work), {"key": "soft_beam_eps1.seed1", "group": "soft_beam_eps1", "train_s": 10.0,
+                             "bleu": {"valid": 38.0}, "extra": paper + ["--soft-topk-epsilon", "1"]})
     table = study.report(type("A", (), {"workdir": str(work)}))
     assert "| tf | 2 | 41.00 ± 1.41 | 42.00 ± 1.41 | 2.724 | 10 |" in table
     assert "| soft_beam_eps1 | 1 | 38.00 | - | 2.724 | 10 |" in table
