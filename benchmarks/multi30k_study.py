@@ -179,7 +179,8 @@ def run(args) -> None:
                 finetune(key, name, sweep[name], seed, both)
     if "attention" in args.stages:
         for seed in args.seeds[: args.attention_seeds]:
-            for name, extra in ATTENTION.items():
+            for name in args.attention_modes:
+                extra = ATTENTION[name]
                 train_and_score(args, f"attn_{name}.seed{seed}", f"attn_{name}", "train.sh", [],
                                 COMMON + TRANSFORMER + extra
                                 + ["--max-update", str(args.attention_updates), "--seed", str(seed)],
@@ -330,6 +331,8 @@ def main(argv=None) -> None:
                    help="leave out the --soft-beam-bookkeeping topk run of the sweep")
     p.add_argument("--attention-updates", type=int, default=600)
     p.add_argument("--attention-seeds", type=int, default=1)
+    p.add_argument("--attention-modes", nargs="+", default=list(ATTENTION), choices=list(ATTENTION),
+                   help="which attention runs (e.g. to split them over two processes)")
     args = p.parse_args(argv)
     {"run": run, "report": report, "plot": plot}[args.command](args)
 
