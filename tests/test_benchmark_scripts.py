@@ -21,6 +21,15 @@ def test_benchmark_script_prints_its_table(script, args, rows):
     assert len(table) == rows + 1, out.stdout  # header + one row per configuration
 
 
+def test_operator_benchmark_prints_its_table():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_soft_topk.py"), "--shapes", "generic",
+                          "--repeats", "1", "--no-unrolled", "--threads", "1"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| generic")]
+    assert len(rows) == 1 and rows[0].count("|") == 13, out.stdout
+
+
 def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):
     sys.path.insert(0, BENCH)
     import multi30k_study as study

@@ -40,10 +40,10 @@ import torch
 from torch import Tensor, nn
 
 from softtopk_fairseq.ops import backward as _backward
-from softtopk_fairseq.ops import solvers
+from softtopk_fairseq.ops import cpu_kernels, solvers
 
 METHODS = ("newton", "sinkhorn")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 SCALINGS = ("none", "paper")
 DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 DEFAULT_MAX_ITER = {"newton": 50, "sinkhorn": 200}
@@ -62,60 +62,87 @@ class SolverInfo(NamedTuple):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _normalised_scores(x: Tensor, valid: Tensor, eps: Tensor, k: int) -> Tensor:
-    """u = (x - x_(k)) / eps, where x_(k) is the row's k-th largest valid score.
+def _selection_top(x: Tensor, valid: Tensor, n_valid: Tensor, all_valid: bool, k: int,
+                   kernels) -> Tuple[Tensor, Tensor]:
+    """The row's k+1 largest valid scores in decreasing order (``-inf`` past the valid ones; a NaN or +inf
+    comes first), and the centre x_(k), the k-th largest valid score (0 for empty rows)."""
+    kk = min(k + 1, x.shape[-1])
+    if kernels is cpu_kernels:
+        top = cpu_kernels.row_top(x.contiguous(), None if all_valid else valid.contiguous(), kk)
+    else:
+        xv = torch.where(valid, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device))
+        top = torch.topk(xv, kk, dim=-1).values
+    kth = (n_valid.clamp(max=k) - 1).clamp_min(0).unsqueeze(-1)
+    centre = top.gather(-1, kth).squeeze(-1)
+    return top, torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
+
+
+def _normalise(v: Tensor, centre: Tensor, eps: Tensor, bound: float) -> Tensor:
+    """u = (v - x_(k)) / eps, clamped to +-bound.
 
     Centring at the selection boundary (not at the maximum) keeps the logits u_i y_l + h_l of the
     elements that matter -- those near the boundary -- small, so float32 does not lose them to
     cancellation. The clamp keeps far-away elements (saturated anyway) from overflowing.
     """
-    neg_inf = torch.full((), -torch.inf, dtype=x.dtype, device=x.device)
-    xv = torch.where(valid, x, neg_inf)
-    top = torch.topk(xv, min(k, x.shape[-1]), dim=-1).values
-    kth = (valid.sum(-1, keepdim=True).clamp(max=k) - 1).clamp_min(0)
-    center = top.gather(-1, kth)
-    center = torch.where(torch.isfinite(center), center, torch.zeros_like(center))
-    bound = torch.finfo(x.dtype).max / (8.0 * (k + 2))
-    u = ((x - center) / eps.unsqueeze(-1)).clamp(-bound, bound)
-    return torch.where(valid, u, torch.zeros_like(u))
+    return ((v - centre.unsqueeze(-1)) / eps.unsqueeze(-1)).clamp(-bound, bound)
 
 
-def _check_scores(x: Tensor, valid: Tensor) -> None:
-    if bool(torch.isnan(x).any()):
-        raise ValueError("soft_topk: scores contain NaN")
-    if bool((~torch.isfinite(x) & valid).any()):
+def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:
+    """NaN or +inf among the valid scores shows up first in ``top``; a NaN under the mask is looked for
+    separately (only when something is masked)."""
+    first = top[:, 0]
+    if bool((torch.isnan(first) | (first == torch.inf)).any()) or (not all_valid and bool(torch.isnan(x).any())):
+        if bool(torch.isnan(x).any()):
+            raise ValueError("soft_topk: scores contain NaN")
         # Only -inf (largest=True) / +inf (largest=False) marks an excluded entry.
         raise ValueError("soft_topk: scores contain an infinity on the selected side "
                          "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
 
 
-def _triton_inputs(u: Tensor, valid: Tensor, c: Tensor):
-    """Padded per-row inputs of the Triton forward: shifted initial thresholds, their log-c shift, target
-    masses, number of active anchors, validity mask (None if nothing masked)."""
-    from softtopk_fairseq.ops import triton_kernels
-
+def _fused_inputs(x: Tensor, valid: Tensor, c: Tensor, mp: int, u_top: Tensor):
+    """Per-row inputs of the fused forwards, anchor axis padded to ``mp``: shifted initial thresholds
+    ``tz[l] = t_{l-1}`` (from the normalised top scores ``u_top``), their log-c shift, target masses and
+    number of active anchors."""
     rows, m = c.shape
-    mp = triton_kernels.padded_anchors(m)
-    t = solvers.initial_thresholds(u, valid, c)
-    tz = u.new_zeros(rows, mp)
+    t = solvers.initial_thresholds(x, valid, c, u_top)  # given u_top, only x's shape and dtype are read
+    tz = x.new_zeros(rows, mp)
     tz[:, 1:m] = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-    shift = u.new_zeros(rows, mp)
+    shift = x.new_zeros(rows, mp)
     shift[:, 1:m] = solvers.log_mass_shift(c)
-    c_pad = u.new_zeros(rows, mp)
+    c_pad = x.new_zeros(rows, mp)
     c_pad[:, :m] = c
     m_act = (c > 0).sum(-1).to(torch.int32)
-    mask = None if bool(valid.all()) else valid.contiguous()
-    return tz, shift, c_pad, m_act, mask
+    return tz, shift, c_pad, m_act
 
 
-def _use_triton(x: Tensor, method: str, backend: str) -> bool:
+def _fused_kernels(x: Tensor, method: str, backend: str, sorted: bool):
+    """The module of fused kernels (``triton_kernels`` or ``cpu_kernels``) that runs this call, or None for
+    the PyTorch path. ``auto`` on CPU fuses the sorted operator only: for the unsorted one the PyTorch
+    path's scalar root per row (``solvers.newton_sigmoid_root``) is as fast (docs/results.md)."""
     if backend == "torch" or method != "newton":
-        return False
+        return None
     if backend == "triton":
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("soft_topk: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1, for tests)")
-        return True
-    return x.is_cuda and x.dtype == torch.float32 and _triton_available()
+        from softtopk_fairseq.ops import triton_kernels
+        return triton_kernels
+    if backend == "cpu":
+        if x.device.type != "cpu":
+            raise ValueError("soft_topk: backend='cpu' needs CPU tensors")
+        cpu_kernels.library()  # raises with the compiler's message when it cannot be built
+        return cpu_kernels
+    if x.dtype != torch.float32:
+        return None
+    if x.is_cuda:
+        if not _triton_available():
+            return None
+        from softtopk_fairseq.ops import triton_kernels
+        return triton_kernels
+    return cpu_kernels if sorted and x.device.type == "cpu" and cpu_kernels.available() else None
+
+
+def _padded_anchors(kernels, m: int) -> int:
+    return kernels.padded_anchors(m) if hasattr(kernels, "padded_anchors") else m
 
 
 def _triton_available() -> bool:
@@ -129,20 +156,30 @@ def _triton_available() -> bool:
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
 def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                   method: str, backend: str) -> Tuple[Tensor, Tensor]:
-    _check_scores(x, valid)
-    u = _normalised_scores(x, valid, eps, k)
-    y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, x.dtype)
-    if _use_triton(x, method, backend):
-        from softtopk_fairseq.ops import triton_kernels
-
-        if x.dtype != torch.float32:
-            raise ValueError("soft_topk: the Triton kernels compute in float32; use backend='torch' for float64")
-        tz, shift, c_pad, m_act, mask = _triton_inputs(u, valid, c)
-        return triton_kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
+    n_valid = valid.sum(-1)
+    all_valid = bool((n_valid == x.shape[-1]).all())
+    kernels = _fused_kernels(x, method, backend, sorted)
+    if kernels is not None and x.dtype != torch.float32:
+        raise ValueError(f"soft_topk: the fused kernels (backend={backend!r}) compute in float32; "
+                         "use backend='torch' for float64")
+    top, centre = _selection_top(x, valid, n_valid, all_valid, k, kernels)
+    _check_scores(x, top, all_valid)
+    bound = torch.finfo(x.dtype).max / (8.0 * (k + 2))
+    u_top = torch.where(torch.isfinite(top), _normalise(top, centre, eps, bound), top)  # the same bits as u's
+    y, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
+    if kernels is not None:
+        tz, shift, c_pad, m_act = _fused_inputs(x, valid, c, _padded_anchors(kernels, c.shape[-1]), u_top)
+        mask = None if all_valid else valid.contiguous()
+        if kernels is cpu_kernels:  # it normalises the scores itself: no pass over them here
+            return kernels.forward(x.contiguous(), mask, centre.contiguous(), eps.contiguous(), bound, tz, shift,
+                                   c_pad, m_act, k, sorted, tol, max_iter)
+        u = _normalise(x, centre, eps, bound).masked_fill_(~valid, 0.0)
+        return kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
+    u = _normalise(x, centre, eps, bound).masked_fill_(~valid, 0.0)
     if method == "newton" and not sorted:
-        return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter)
+        return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, u_top)
     if method == "newton":
-        p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter)
+        p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter, top=u_top)
     else:
         p, info = solvers.sinkhorn(u, valid, y, c, max_iter, tol if tol > 0 else None)
     out = p[:, :k].transpose(-1, -2) if sorted else p[:, 0]
@@ -157,19 +194,21 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
-                           sorted: bool, backend: str) -> Tuple[Tensor, Tensor]:
-    if _use_triton(x, "newton", backend):
-        from softtopk_fairseq.ops import triton_kernels
-
-        y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, out.dtype)
-        mp = triton_kernels.padded_anchors(c.shape[-1])
+                           sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+    kernels = _fused_kernels(x, "newton", backend, sorted)
+    if kernels is not None:
+        n_valid = valid.sum(-1)
+        y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
+        mp = _padded_anchors(kernels, c.shape[-1])
         y_pad = out.new_zeros(mp)
         y_pad[: y.shape[0]] = y
         m_act = (c > 0).sum(-1).to(torch.int32)
         rest_on = (c[:, -1] > 0).to(torch.int32)
-        mask = None if bool(valid.all()) else valid.contiguous()
-        grad_x = triton_kernels.backward(out.contiguous(), grad_out.contiguous(), mask, y_pad, m_act, rest_on,
-                                         eps.contiguous(), k, sorted)
+        mask = None if bool((n_valid == valid.shape[-1]).all()) else valid.contiguous()
+        args = (out.contiguous(), grad_out.contiguous(), mask, y_pad, m_act, rest_on, eps.contiguous(), k, sorted)
+        if kernels is cpu_kernels:  # dL/deps in the kernel too
+            return kernels.backward(*args, x=x.contiguous() if eps_grad else None)
+        grad_x = kernels.backward(*args)
     elif not sorted:
         grad_x = _backward.sigmoid_grad(out, grad_out, valid) / eps.unsqueeze(-1)
     else:
@@ -179,6 +218,8 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
         rest = (1 - taken.sum(-2)).clamp_min(0) * vf * (c[:, -1:] > 0).to(out.dtype)
         grad_u = _backward.implicit_grad(taken, rest, grad_out.transpose(-1, -2), y, c)
         grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
+    if not eps_grad:  # a constant temperature (scaling="none"): skip the passes below
+        return grad_x, torch.zeros_like(eps)
     # The output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps (any shift of x cancels,
     # since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate).
     xc = torch.where(valid, x, torch.zeros_like(x))
@@ -188,7 +229,7 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
 
 
 @_soft_topk_backward_op.register_fake
-def _(grad_out, out, x, valid, eps, k, sorted, backend):
+def _(grad_out, out, x, valid, eps, k, sorted, backend, eps_grad):
     return out.new_empty(valid.shape), out.new_empty(valid.shape[:1])
 
 
@@ -201,7 +242,7 @@ def _setup_context(ctx, inputs, output):
 def _backward_fn(ctx, grad_out, grad_info):
     out, x, valid, eps = ctx.saved_tensors
     grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted,
-                                              ctx.backend)
+                                              ctx.backend, ctx.needs_input_grad[2])
     return grad_x, None, grad_eps, None, None, None, None, None, None
 
 
@@ -252,9 +293,15 @@ def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: b
     if scaling != "paper":
         return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
     anchor_top = float(k if sorted else 1)
-    xv = torch.where(valid, x, torch.zeros_like(x))  # no inf * 0 in the backward of square()
-    cost = torch.maximum(xv.square(), (xv - anchor_top).square())
-    cost_max = torch.where(valid, cost, torch.zeros_like(cost)).amax(-1)
+    # The cost max(x^2, (x - K)^2) is convex in x, so its maximum over a row sits at the row's largest or
+    # smallest valid score: two reductions instead of a pass over the whole cost (and its backward).
+    any_valid = valid.any(-1)
+    hi = torch.where(valid, x, torch.full_like(x, -torch.inf)).max(-1).values
+    lo = torch.where(valid, x, torch.full_like(x, torch.inf)).min(-1).values
+    cost_max = torch.zeros_like(hi)
+    for v in (hi, lo):
+        v = torch.where(any_valid, v, torch.zeros_like(v))  # no inf * 0 in the backward of square()
+        cost_max = torch.maximum(cost_max, torch.maximum(v.square(), (v - anchor_top).square()))
     return torch.where(cost_max > 0, epsilon * cost_max / 2, torch.full_like(cost_max, epsilon))
 
 
@@ -294,9 +341,10 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
             when a row hits it unconverged.
         method: ``"newton"`` (damped Newton on the semi-dual, default) or ``"sinkhorn"`` (the paper's
             Algorithm 1 in the log domain; with ``tol=0`` it runs exactly ``max_iter`` iterations).
-        backend: ``"auto"`` (fused Triton kernels for float32 CUDA tensors when triton is installed,
-            PyTorch otherwise), ``"torch"`` or ``"triton"`` (float32 only; with ``TRITON_INTERPRET=1``
-            also on CPU tensors, slowly -- for tests).
+        backend: ``"auto"`` (fused kernels for float32 tensors -- Triton on CUDA when triton is
+            installed, C on CPU when a C compiler is (see ``cpu_kernels``) -- PyTorch otherwise),
+            ``"torch"``, ``"triton"`` or ``"cpu"`` (both float32 only; ``"triton"`` with
+            ``TRITON_INTERPRET=1`` also runs on CPU tensors, slowly -- for tests).
         return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged) per row.
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.

@@ -172,15 +172,19 @@ def hessian_solve(p: Tensor, s: Tensor, free: Tensor, rhs: Tensor) -> Tensor:
     return torch.where((info == 0).unsqueeze(-1) & torch.isfinite(w).all(-1, keepdim=True), w, torch.zeros_like(w))
 
 
-def initial_thresholds(u: Tensor, valid: Tensor, c: Tensor) -> Tensor:
+def initial_thresholds(u: Tensor, valid: Tensor, c: Tensor, top: Optional[Tensor] = None) -> Tensor:
     """Thresholds (rows, m-1) of the hard assignment: the boundary between consecutive active anchors
     ``l`` and ``l + 1`` sits halfway between the last element that anchor ``l`` should hold and the next
-    one; ``-inf`` where anchor ``l + 1`` is inactive."""
+    one; ``-inf`` where anchor ``l + 1`` is inactive. ``top``: the row's largest valid ``u`` in decreasing
+    order (``-inf`` past the valid ones), at least as many as the anchors before the last one hold plus
+    one, if the caller has them already."""
     rows, n = u.shape
     cum = torch.cumsum(c, dim=-1).round().long()                  # elements held by anchors 0..l
     held_before_last = int(c[:, :-1].sum(-1).max().round().item()) if rows else 0
     kk = max(1, min(n, held_before_last + 1))
-    top = torch.topk(torch.where(valid, u, torch.full_like(u, -torch.inf)), kk, dim=-1).values
+    if top is None or top.shape[-1] < kk:
+        top = torch.topk(torch.where(valid, u, torch.full_like(u, -torch.inf)), kk, dim=-1).values
+    top = top[:, :kk]
     above = top.gather(-1, (cum[:, :-1] - 1).clamp(0, kk - 1))
     below = top.gather(-1, cum[:, :-1].clamp(0, kk - 1))
     boundary = 0.5 * (above + below)
@@ -195,7 +199,7 @@ def initial_thresholds(u: Tensor, valid: Tensor, c: Tensor) -> Tensor:
 
 
 def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: int,
-                     max_halvings: int = 8) -> Tuple[Tensor, Tensor]:
+                     max_halvings: int = 8, top: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Damped Newton on the semi-dual. Returns ``(P, info)``: P (rows, m, n), info (rows, 2) =
     iterations, marginal error.
 
@@ -215,7 +219,7 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
 
     # Two starting points: the hard assignment (best when eps is small against the score gaps) and the
     # same with h shifted by log c (best when eps is large: then P_il ~ c_l). Each row keeps the better.
-    t = initial_thresholds(u, valid, c)
+    t = initial_thresholds(u, valid, c, top)
     p, s, err = evaluate(t)
     retry = err > 0.05  # the hard start is poor there: try the other one on those rows only
     if bool(retry.any()):
@@ -282,7 +286,8 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
     return p, torch.stack([iters, err], dim=-1)
 
 
-def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: int) -> Tuple[Tensor, Tensor]:
+def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: int,
+                        top: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     r"""The unsorted operator directly: :math:`A_i = \sigma(u_i - \tau)` with :math:`\sum_i A_i = k`.
 
     With two anchors the plan's first column is this sigmoid (``_plan`` with ``m = 2``), so the problem is
@@ -304,7 +309,7 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
     lo = torch.where(solve, u_min + shift, torch.zeros_like(shift))
     hi = torch.where(solve, u_max + shift, torch.zeros_like(shift))
     # Start: the hard-assignment threshold, or the same shifted by log((n-k)/k).
-    tau = torch.where(solve, initial_thresholds(u, valid, c)[:, 0], torch.zeros_like(shift))
+    tau = torch.where(solve, initial_thresholds(u, valid, c, top)[:, 0], torch.zeros_like(shift))
     scale = torch.minimum(torch.full_like(nv, float(k)), nv - k).clamp_min(1)
 
     def evaluate(tau):

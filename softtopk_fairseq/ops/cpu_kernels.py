@@ -1,0 +1,166 @@
+"""Fused CPU kernels for SOFT top-k (``soft_topk_cpu.c``): the CPU counterpart of ``triton_kernels.py``.
+
+Eager PyTorch makes ~5 passes over the (rows, k+1, n) plan per Newton evaluation; these kernels make one
+(per row, in blocks that stay in cache) and solve the whole row in one call, rows spread over
+``torch.get_num_threads()`` OpenMP threads. Same inputs as the Triton launchers, prepared by
+``soft_topk.py``; same math as ``solvers.newton_semi_dual`` and ``backward.implicit_grad``.
+
+The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
+(``-march=native``) and cached under ``$SOFTTOPK_CACHE_DIR`` (default ``~/.cache/softtopk_fairseq``), keyed
+by the source, the flags, the compiler and the CPU's feature flags, so that a cache shared by different
+machines never hands one a binary built for another. When no compiler works, :func:`available` is False
+and ``backend="auto"`` uses the PyTorch path (with one warning).
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def cache_dir() -> str:
+    return os.environ.get("SOFTTOPK_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "softtopk_fairseq"))
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
+    os.makedirs(cache_dir(), exist_ok=True)
+    path = os.path.join(cache_dir(), f"soft_topk_cpu_{key}.so")
+    if not os.path.exists(path):
+        # Build under a temporary name and rename: processes started together (distributed workers)
+        # never load a half-written library.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed:\n{proc.stderr[:2000]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(path)
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    f32 = ctypes.c_float
+    lib.soft_topk_forward.argtypes = [p, p, p, p, f32, p, p, p, p, p, p, i64, i64, i32, i32, i32, f64, i32, i32, i32]
+    lib.soft_topk_forward.restype = ctypes.c_int
+    lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
+    lib.soft_topk_backward.restype = ctypes.c_int
+    lib.soft_topk_row_top.argtypes = [p, p, p, i64, i64, i32, i32]
+    lib.soft_topk_row_top.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first call); raises RuntimeError when they cannot be built."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _error = f"{type(e).__name__}: {e}"
+        if _lib is None:
+            raise RuntimeError(f"soft_topk: the fused CPU kernels could not be built ({_error})")
+        return _lib
+
+
+def available() -> bool:
+    """Whether the CPU kernels are usable here; the first call compiles them (about a second)."""
+    try:
+        library()
+        return True
+    except RuntimeError as e:
+        if not getattr(available, "warned", False):
+            available.warned = True
+            warnings.warn(f"{e}; falling back to the PyTorch solver (backend='torch')", RuntimeWarning)
+        return False
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def row_top(x, valid, kk):
+    """The ``kk`` largest valid entries of each row of ``x`` (rows, n), decreasing, ``-inf`` past the valid
+    ones, a NaN first (like ``torch.topk(torch.where(valid, x, -inf), kk).values``, much faster for many
+    short rows); ``valid`` (rows, n) bool or None."""
+    rows, n = x.shape
+    top = torch.empty((rows, kk), dtype=torch.float32)
+    _check(x, valid)
+    library().soft_topk_row_top(_ptr(x), _ptr(valid), _ptr(top), rows, n, kk, torch.get_num_threads())
+    return top
+
+
+def forward(x, valid, centre, eps, bound, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8):
+    """Fused forward on the raw scores ``x`` (rows, n), normalised in the kernel as
+    ``clamp((x - centre) / eps, -bound, bound)`` with per-row ``centre`` and ``eps`` (rows,); ``valid``
+    (rows, n) bool or None; ``tz``, ``shift``, ``c`` (rows, m); ``m_act`` (rows,) int32, as for the Triton
+    forward. Returns the output ((rows, n, k) sorted, (rows, n) not) and info (rows, 2)."""
+    rows, n = x.shape
+    mp = tz.shape[-1]
+    out = torch.empty((rows, n, k) if sorted else (rows, n), dtype=torch.float32)
+    info = torch.empty((rows, 2), dtype=torch.float32)
+    _check(x, valid, centre, eps, tz, shift, c, m_act)
+    failed = library().soft_topk_forward(_ptr(x), _ptr(valid), _ptr(centre), _ptr(eps), float(bound), _ptr(tz), _ptr(shift),
+                                _ptr(c), _ptr(m_act), _ptr(out), _ptr(info), rows, n, k, mp, int(sorted), float(tol),
+                                int(max_iter), int(max_halvings), torch.get_num_threads())
+    if failed:
+        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    return out, info
+
+
+def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted, x=None):
+    """Fused backward: dL/dx (rows, n) for the scores divided by ``eps``, and, when the scores ``x`` are
+    given, dL/deps (rows,) (else zeros)."""
+    rows, n = out.shape[:2]
+    grad = torch.empty((rows, n), dtype=torch.float32)
+    grad_eps = torch.zeros((rows,), dtype=torch.float32)
+    _check(out, grad_out, valid, x, y, m_act, rest_on, eps)
+    failed = library().soft_topk_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(x), _ptr(y), _ptr(m_act),
+                                 _ptr(rest_on), _ptr(eps), _ptr(grad), _ptr(grad_eps), rows, n, k, y.shape[-1],
+                                 int(sorted), torch.get_num_threads())
+    if failed:
+        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    return grad, grad_eps
+
+
+def _check(*tensors) -> None:
+    """The C code reads raw pointers: contiguous CPU tensors of the dtypes it expects, or None."""
+    for t in tensors:
+        if t is not None:
+            assert t.device.type == "cpu" and t.is_contiguous(), "cpu_kernels: contiguous CPU tensors only"
+            assert t.dtype in (torch.float32, torch.int32, torch.bool), f"cpu_kernels: unexpected {t.dtype}"

@@ -1,0 +1,416 @@
+/* Fused CPU kernels for SOFT top-k: the whole Newton solve of a row in one call, and the closed-form
+ * backward. The CPU counterpart of triton_kernels.py, with the same inputs and the same math as
+ * solvers.newton_semi_dual / backward.implicit_grad (see their docstrings); only the schedule differs:
+ * one OpenMP task per row, the row's scores streamed in blocks of BLOCK elements per evaluation, the
+ * plan never stored, anchor masses and P^T P accumulated in double, the small Newton system solved in
+ * double. Compiled and loaded by cpu_kernels.py (gcc -O3 -march=native -fopenmp).
+ *
+ * Layouts (row-major, float32 unless said): x (rows, n) scores, normalised here per row as
+ * u = clamp((x - centre) / eps, +-bound) (soft_topk._normalise); valid (rows, n) uint8 or NULL;
+ * tz, shift, c (rows, mp): tz[l] = t_{l-1} (l = 1..m_act-1), the initial thresholds; m_act (rows,) int32;
+ * sorted output (rows, n, k), unsorted (rows, n); info (rows, 2) = iterations, marginal error.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 256
+#define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
+#define LOGIT_CLAMP 64.0f   /* solvers.LOGIT_CLAMP */
+#define MAX_STEP 2.0        /* solvers.MAX_STEP: trust region on the potentials */
+#define NEAR_FLOOR 1e-4     /* solvers.NEAR_FLOOR */
+#define FLT_EPS 1.1920928955078125e-07
+
+/* e^x for x <= 0: Cephes' expf polynomial (about 1 ulp), written so that gcc vectorises the loops that
+ * call it; 0 below -87, where float32 underflows anyway. */
+static inline float exp_nonpos(float x) {
+    float xc = x < -87.0f ? -87.0f : x;
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf would stop gcc from vectorising the loop) */
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* Plan block: pl[l * BLOCK + j] = P_{start+j, l} for the ma active anchors; zero for masked elements
+ * (weight wv = 0; also the padding up to a multiple of PAD, so that the loops have no scalar remainder).
+ * Logits are running sums of the clamped differences tz[l] - u (solvers._logits). */
+static void plan_block(const float *restrict u, const float *restrict wv, int nb, const float *tz, int ma,
+                       float *restrict pl, float *restrict zmax, float *restrict inv) {
+    for (int j = 0; j < nb; j++) { pl[j] = 0.0f; zmax[j] = 0.0f; }
+    for (int l = 1; l < ma; l++) {
+        const float t = tz[l];
+        const float *prev = pl + (l - 1) * BLOCK;
+        float *cur = pl + l * BLOCK;
+        for (int j = 0; j < nb; j++) {
+            float d = t - u[j];
+            d = d < -LOGIT_CLAMP ? -LOGIT_CLAMP : (d > LOGIT_CLAMP ? LOGIT_CLAMP : d);
+            cur[j] = prev[j] + d;
+            zmax[j] = cur[j] > zmax[j] ? cur[j] : zmax[j];
+        }
+    }
+    for (int j = 0; j < nb; j++) inv[j] = 0.0f;
+    for (int l = 0; l < ma; l++) {
+        float *restrict cur = pl + l * BLOCK;
+        for (int j = 0; j < nb; j++) cur[j] = exp_nonpos(cur[j] - zmax[j]);
+        for (int j = 0; j < nb; j++) inv[j] += cur[j];
+    }
+    for (int j = 0; j < nb; j++) inv[j] = wv[j] / inv[j];
+    for (int l = 0; l < ma; l++) {
+        float *cur = pl + l * BLOCK;
+        for (int j = 0; j < nb; j++) cur[j] *= inv[j];
+    }
+}
+
+/* Accumulate s_l += sum_j P_jl and ppt_ab += sum_j P_ja P_jb (a <= b) of one block, in double. */
+static void accumulate(const float *restrict pl, int nb, int ma, int mp, double *restrict s, double *restrict ppt) {
+    for (int a = 0; a < ma; a++) {
+        const float *pa = pl + a * BLOCK;
+        float sa = 0.0f;
+#pragma omp simd reduction(+ : sa)
+        for (int j = 0; j < nb; j++) sa += pa[j];
+        s[a] += sa;
+        for (int b = a; b < ma; b++) {
+            const float *pb = pl + b * BLOCK;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int j = 0; j < nb; j++) acc += pa[j] * pb[j];
+            ppt[a * mp + b] += acc;
+        }
+    }
+}
+
+/* Per-thread scratch, allocated once per call: the plan and gradient blocks, the row's normalised scores,
+ * and the small per-row vectors and matrices (sized for mp anchors). */
+typedef struct { float *pl, *zmax, *inv, *g, *u, *wv, *tz; double *d; } workspace;
+
+static int64_t padded(int64_t n) { return (n + PAD - 1) / PAD * PAD; }
+
+/* Anchor masses s, P^T P (upper triangle) and the max relative marginal error for thresholds tz. */
+static double evaluate(const float *u, const float *wv, int64_t n, const float *tz, int ma, int mp,
+                       const float *c, double *s, double *ppt, workspace *w) {
+    memset(s, 0, sizeof(double) * mp);
+    memset(ppt, 0, sizeof(double) * mp * mp);
+    int64_t np = padded(n);
+    for (int64_t start = 0; start < np; start += BLOCK) {
+        int nb = (int)(np - start < BLOCK ? np - start : BLOCK);
+        plan_block(u + start, wv + start, nb, tz, ma, w->pl, w->zmax, w->inv);
+        accumulate(w->pl, nb, ma, mp, s, ppt);
+    }
+    double err = 0.0;
+    for (int l = 0; l < ma; l++) {
+        if (c[l] > 0) {
+            double e = fabs(s[l] - c[l]) / (c[l] > 1.0f ? c[l] : 1.0);
+            err = e > err ? e : err;
+        }
+    }
+    return err;
+}
+
+/* Solve (diag(s) - P^T P + ridge) x = rhs on the free anchors 0..ma-2 (the last active one is pinned);
+ * x = 0 elsewhere, and x = 0 if the system is singular (solvers.hessian_solve). */
+static void solve_free(const double *s, const double *ppt, const double *rhs, int ma, int mp, double *x,
+                       double *a) {
+    int f = ma - 1;
+    for (int l = 0; l < mp; l++) x[l] = 0.0;
+    if (f <= 0) return;
+    double scale = 1.0;
+    for (int l = 0; l < f; l++) scale = s[l] > scale ? s[l] : scale;
+    double ridge = 16 * FLT_EPS * scale;
+    for (int r = 0; r < f; r++) {
+        for (int q = 0; q < f; q++) {
+            double pq = r <= q ? ppt[r * mp + q] : ppt[q * mp + r];
+            a[r * f + q] = (r == q ? s[r] + ridge : 0.0) - pq;
+        }
+        x[r] = rhs[r];
+    }
+    for (int q = 0; q < f; q++) {  /* Gaussian elimination with partial pivoting */
+        int piv = q;
+        for (int r = q + 1; r < f; r++) if (fabs(a[r * f + q]) > fabs(a[piv * f + q])) piv = r;
+        if (!(fabs(a[piv * f + q]) > 0.0)) { for (int l = 0; l < mp; l++) x[l] = 0.0; return; }
+        if (piv != q) {
+            for (int col = 0; col < f; col++) {
+                double tmp = a[q * f + col]; a[q * f + col] = a[piv * f + col]; a[piv * f + col] = tmp;
+            }
+            double tmp = x[q]; x[q] = x[piv]; x[piv] = tmp;
+        }
+        for (int r = q + 1; r < f; r++) {
+            double m = a[r * f + q] / a[q * f + q];
+            if (m == 0.0) continue;
+            for (int col = q; col < f; col++) a[r * f + col] -= m * a[q * f + col];
+            x[r] -= m * x[q];
+        }
+    }
+    for (int q = f - 1; q >= 0; q--) {
+        double v = x[q];
+        for (int col = q + 1; col < f; col++) v -= a[q * f + col] * x[col];
+        x[q] = v / a[q * f + q];
+    }
+    for (int l = 0; l < f; l++) if (!isfinite(x[l])) { for (int q = 0; q < mp; q++) x[q] = 0.0; return; }
+}
+
+static void forward_row(const float *x, const uint8_t *valid, int64_t n, float centre, float eps, float bound,
+                        int k, const float *tz0, const float *shift, const float *c, int ma, int mp, int sorted,
+                        double tol, int max_iter, int max_halvings, float *out, float *info, workspace *w) {
+    float *u = w->u, *wv = w->wv;
+    for (int64_t j = 0; j < n; j++) {
+        float v = (x[j] - centre) / eps;
+        v = v < -bound ? -bound : (v > bound ? bound : v);
+        int keep = valid == NULL || valid[j];
+        u[j] = keep ? v : 0.0f;
+        wv[j] = keep ? 1.0f : 0.0f;
+    }
+    for (int64_t j = n; j < padded(n); j++) { u[j] = 0.0f; wv[j] = 0.0f; }
+    double *s = w->d;
+    double *s_t = s + mp, *rhs = s + 2 * mp, *dh = s + 3 * mp, *ppt = s + 6 * mp;
+    double *ppt_t = ppt + mp * mp, *mat = ppt_t + mp * mp;
+    float *tz = w->tz;
+    float *tz_t = tz + mp, *dtz = tz + 2 * mp;
+    memcpy(tz, tz0, sizeof(float) * mp);
+    double err = evaluate(u, wv, n, tz, ma, mp, c, s, ppt, w);
+    /* Second starting point (thresholds shifted by log c), kept if it fits the masses better. */
+    if (err > 0.05) {
+        for (int l = 0; l < mp; l++) tz_t[l] = tz[l] + shift[l];
+        double err2 = evaluate(u, wv, n, tz_t, ma, mp, c, s_t, ppt_t, w);
+        if (err2 < err) {
+            err = err2;
+            memcpy(tz, tz_t, sizeof(float) * mp);
+            memcpy(s, s_t, sizeof(double) * mp);
+            memcpy(ppt, ppt_t, sizeof(double) * mp * mp);
+        }
+    }
+    int it = 0;
+    while (err > tol && it < max_iter) {
+        for (int l = 0; l < mp; l++) rhs[l] = l < ma ? c[l] - s[l] : 0.0;
+        solve_free(s, ppt, rhs, ma, mp, dh, mat);
+        double big = MAX_STEP;
+        for (int l = 0; l < mp; l++) big = fabs(dh[l]) > big ? fabs(dh[l]) : big;
+        double alpha = MAX_STEP / big;
+        /* A step dh on the potentials moves threshold t_{l-1} = tz[l] by dh_l - dh_{l-1}. */
+        for (int l = 0; l < mp; l++) dtz[l] = (l >= 1 && l < ma) ? (float)(dh[l] - dh[l - 1]) : 0.0f;
+        int accepted = 0;
+        for (int tries = 0; tries < max_halvings; tries++) {
+            for (int l = 0; l < mp; l++) tz_t[l] = tz[l] + (float)alpha * dtz[l];
+            double err_t = evaluate(u, wv, n, tz_t, ma, mp, c, s_t, ppt_t, w);
+            if (err_t < err || err_t <= tol) {
+                err = err_t;
+                memcpy(tz, tz_t, sizeof(float) * mp);
+                memcpy(s, s_t, sizeof(double) * mp);
+                memcpy(ppt, ppt_t, sizeof(double) * mp * mp);
+                accepted = 1;
+                break;
+            }
+            /* Near convergence, two failed halvings mean the row sits at its float rounding floor. */
+            if (err < NEAR_FLOOR && tries >= 1) break;
+            alpha *= 0.5;
+        }
+        it++;
+        if (!accepted) break;
+    }
+    info[0] = (float)it;
+    info[1] = (float)err;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
+        plan_block(u + start, wv + start, (int)padded(nb), tz, ma, w->pl, w->zmax, w->inv);
+        if (sorted) {
+            float *o = out + start * k;
+            for (int j = 0; j < nb; j++)
+                for (int l = 0; l < k; l++) o[j * k + l] = l < ma ? w->pl[l * BLOCK + j] : 0.0f;
+        } else {
+            for (int j = 0; j < nb; j++) out[start + j] = ma > 0 ? w->pl[j] : 0.0f;
+        }
+    }
+}
+
+static int alloc_workspace(workspace *w, int mp, int64_t n) {
+    w->pl = malloc(sizeof(float) * (BLOCK * (2 * mp + 2) + 3 * mp + 2 * padded(n > 0 ? n : 1)));
+    w->d = malloc(sizeof(double) * (6 * mp + 3 * mp * mp));
+    if (!w->pl || !w->d) { free(w->pl); free(w->d); return 0; }
+    w->g = w->pl + BLOCK * mp;
+    w->zmax = w->g + BLOCK * mp;
+    w->inv = w->zmax + BLOCK;
+    w->tz = w->inv + BLOCK;
+    w->u = w->tz + 3 * mp;
+    w->wv = w->u + padded(n > 0 ? n : 1);
+    return 1;
+}
+
+static void free_workspace(workspace *w) {
+    free(w->pl);
+    free(w->d);
+}
+
+int soft_topk_forward(const float *x, const uint8_t *valid, const float *centre, const float *eps, float bound,
+                       const float *tz, const float *shift, const float *c, const int32_t *m_act, float *out,
+                       float *info, int64_t rows, int64_t n, int k, int mp, int sorted, double tol, int max_iter,
+                       int max_halvings, int threads) {
+    int failed = 0;  /* returned: 1 when a thread could not allocate its scratch (its rows are not done) */
+    /* Rows differ in their number of iterations: hand them out dynamically, in chunks big enough that
+     * many short rows do not queue on the scheduler, small enough that a few long rows spread. */
+    int chunk = (int)(rows / (8 * (int64_t)threads));
+    chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
+#pragma omp parallel num_threads(threads)
+    {
+        workspace w;
+        if (!alloc_workspace(&w, mp, n)) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t r = 0; r < rows; r++) {
+                forward_row(x + r * n, valid ? valid + r * n : NULL, n, centre[r], eps[r], bound, k, tz + r * mp,
+                            shift + r * mp, c + r * mp, m_act[r], mp, sorted, tol, max_iter, max_halvings,
+                            out + (sorted ? r * n * k : r * n), info + 2 * r, &w);
+            }
+            free_workspace(&w);
+        }
+    }
+    return failed;
+}
+
+/* Plan block rebuilt from the output (rest column = 1 - taken where rest_on) and the upstream gradient,
+ * both anchors-first: pl[l * BLOCK + j], g[l * BLOCK + j], for the mp padded anchors. */
+static void output_block(const float *out, const float *gout, const uint8_t *valid, int nb, int k, int sorted,
+                         int rest_on, int mp, float *pl, float *g) {
+    int taken = sorted ? k : 1;
+    for (int l = 0; l < mp; l++) {
+        memset(pl + l * BLOCK, 0, sizeof(float) * nb);
+        memset(g + l * BLOCK, 0, sizeof(float) * nb);
+    }
+    for (int j = 0; j < nb; j++) {
+        if (valid && !valid[j]) continue;
+        float sum = 0.0f;
+        for (int l = 0; l < taken; l++) {
+            float p = sorted ? out[j * k + l] : out[j];
+            pl[l * BLOCK + j] = p;
+            g[l * BLOCK + j] = sorted ? gout[j * k + l] : gout[j];
+            sum += p;
+        }
+        if (rest_on) pl[taken * BLOCK + j] = sum < 1.0f ? 1.0f - sum : 0.0f;
+    }
+}
+
+/* dL/dx of one row; and, when x is given, dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps (the output depends
+ * on x / eps only; centring keeps the sum accurate, since sum_i dL/dx_i = 0). */
+static void backward_row(const float *out, const float *gout, const uint8_t *valid, const float *x, int64_t n,
+                         int k, int sorted, const float *y, int ma, int rest_on, float eps, int mp, float *grad,
+                         float *grad_eps, workspace *w) {
+    double *s = w->d;
+    double *v = s + mp, *sol = v + mp, *ppt = sol + mp, *mat = ppt + mp * mp;
+    memset(s, 0, sizeof(double) * (3 * mp + mp * mp));
+    int stride = sorted ? k : 1;
+    float *gbar = w->zmax, *ybar = w->inv;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
+        output_block(out + start * stride, gout + start * stride, valid ? valid + start : NULL, nb, k, sorted,
+                     rest_on, mp, w->pl, w->g);
+        for (int j = 0; j < nb; j++) gbar[j] = 0.0f;
+        for (int l = 0; l < mp; l++)
+            for (int j = 0; j < nb; j++) gbar[j] += w->pl[l * BLOCK + j] * w->g[l * BLOCK + j];
+        for (int l = 0; l < mp; l++) {
+            const float *pa = w->pl + l * BLOCK, *ga = w->g + l * BLOCK;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int j = 0; j < nb; j++) acc += pa[j] * (ga[j] - gbar[j]);
+            v[l] += acc;
+        }
+        accumulate(w->pl, nb, mp, mp, s, ppt);
+    }
+    solve_free(s, ppt, v, ma, mp, sol, mat);
+    float wl[64];
+    float *wp = mp <= 64 ? wl : malloc(sizeof(float) * mp);
+    for (int l = 0; l < mp; l++) wp[l] = (float)sol[l];
+    const float inv_eps = 1.0f / eps;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
+        output_block(out + start * stride, gout + start * stride, valid ? valid + start : NULL, nb, k, sorted,
+                     rest_on, mp, w->pl, w->g);
+        for (int j = 0; j < nb; j++) ybar[j] = 0.0f;
+        for (int l = 0; l < mp; l++)
+            for (int j = 0; j < nb; j++) ybar[j] += w->pl[l * BLOCK + j] * y[l];
+        float *gr = grad + start;
+        for (int j = 0; j < nb; j++) gr[j] = 0.0f;
+        for (int l = 0; l < mp; l++) {
+            const float *pa = w->pl + l * BLOCK, *ga = w->g + l * BLOCK;
+            for (int j = 0; j < nb; j++) gr[j] += pa[j] * (y[l] - ybar[j]) * (ga[j] - wp[l]);
+        }
+        for (int j = 0; j < nb; j++) gr[j] *= inv_eps;
+    }
+    if (wp != wl) free(wp);
+    if (x) {
+        double sum = 0.0, count = 0.0, acc = 0.0;
+        for (int64_t j = 0; j < n; j++)
+            if (valid == NULL || valid[j]) { sum += x[j]; count += 1.0; }
+        double mean = count > 0 ? sum / count : 0.0;
+        for (int64_t j = 0; j < n; j++)
+            if (valid == NULL || valid[j]) acc += (double)grad[j] * ((double)x[j] - mean);
+        *grad_eps = (float)(-acc / eps);
+    }
+}
+
+int soft_topk_backward(const float *out, const float *gout, const uint8_t *valid, const float *x, const float *y,
+                        const int32_t *m_act, const int32_t *rest_on, const float *eps, float *grad,
+                        float *grad_eps, int64_t rows, int64_t n, int k, int mp, int sorted, int threads) {
+    int stride = sorted ? k : 1;
+    int failed = 0;  /* returned: 1 when a thread could not allocate its scratch (its rows are not done) */
+    /* Rows differ in their number of iterations: hand them out dynamically, in chunks big enough that
+     * many short rows do not queue on the scheduler, small enough that a few long rows spread. */
+    int chunk = (int)(rows / (8 * (int64_t)threads));
+    chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
+#pragma omp parallel num_threads(threads)
+    {
+        workspace w;
+        if (!alloc_workspace(&w, mp, n)) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t r = 0; r < rows; r++) {
+                backward_row(out + r * n * stride, gout + r * n * stride, valid ? valid + r * n : NULL,
+                             x ? x + r * n : NULL, n, k, sorted, y, m_act[r], rest_on[r], eps[r], mp, grad + r * n,
+                             grad_eps + r, &w);
+            }
+            free_workspace(&w);
+        }
+    }
+    return failed;
+}
+
+/* The kk largest valid scores of each row in decreasing order, -inf past the valid ones; NaN ranks above
+ * everything (as in torch.topk), so that a NaN shows up first. Replaces torch.topk, which is slow for
+ * many short rows. */
+int soft_topk_row_top(const float *x, const uint8_t *valid, float *top, int64_t rows, int64_t n, int kk,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        const uint8_t *vr = valid ? valid + r * n : NULL;
+        float *t = top + r * kk;
+        for (int q = 0; q < kk; q++) t[q] = -INFINITY;
+        int has_nan = 0;
+        for (int64_t j = 0; j < n; j++) {
+            if (vr && !vr[j]) continue;
+            float v = xr[j];
+            if (isnan(v)) { has_nan = 1; continue; }
+            if (!(v > t[kk - 1])) continue;
+            int q = kk - 1;
+            while (q > 0 && v > t[q - 1]) { t[q] = t[q - 1]; q--; }
+            t[q] = v;
+        }
+        if (has_nan) {
+            for (int q = kk - 1; q > 0; q--) t[q] = t[q - 1];
+            t[0] = NAN;
+        }
+    }
+    return 0;
+}

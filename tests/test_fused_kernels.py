@@ -1,0 +1,198 @@
+"""The fused kernels against the PyTorch path: Triton (on the GPU when there is one, else under
+TRITON_INTERPRET=1 on CPU tensors, set by conftest) and the C kernels for CPU tensors (cpu_kernels)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from softtopk_fairseq.ops import cpu_kernels, soft_topk
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton_usable():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return TRITON_DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+BACKENDS = [pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(), reason="no triton runtime")),
+            "cpu"]
+
+
+def _device(backend):
+    return TRITON_DEVICE if backend == "triton" else "cpu"
+
+
+def _both(x, k, backend, **kw):
+    """(fused output, torch output, fused info, torch info) for the same call."""
+    a, ia = soft_topk(x, k, backend=backend, return_info=True, **kw)
+    b, ib = soft_topk(x, k, backend="torch", return_info=True, **kw)
+    return a, b, ia, ib
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sorted", [False, True])
+@pytest.mark.parametrize("epsilon, scaling", [(1.0, "none"), (0.1, "none"), (0.01, "none"), (0.1, "paper")])
+def test_forward_matches_torch_path(backend, sorted, epsilon, scaling):
+    torch.manual_seed(0)
+    x = torch.randn(4, 37, device=_device(backend))
+    a, b, ia, ib = _both(x, 5, backend, epsilon=epsilon, sorted=sorted, scaling=scaling)
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    assert bool(ia.converged.all()) and bool(ib.converged.all())
+    assert ia.iterations.max() <= 20
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sorted", [False, True])
+def test_masks_short_and_empty_rows(backend, sorted):
+    torch.manual_seed(1)
+    device = _device(backend)
+    x = torch.randn(5, 9, device=device)
+    mask = torch.ones(5, 9, dtype=torch.bool, device=device)
+    mask[0, :3] = False
+    mask[1, :7] = False   # 2 valid < k
+    mask[2] = False       # empty
+    x[3, 4] = -torch.inf
+    a, b, _, _ = _both(x, 3, backend, epsilon=0.4, sorted=sorted, mask=mask)
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    assert bool((a[~mask] == 0).all()) and bool(torch.isfinite(a).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sorted", [False, True])
+def test_backward_matches_torch_path(backend, sorted):
+    torch.manual_seed(2)
+    device = _device(backend)
+    x = torch.randn(4, 23, device=device)
+    mask = torch.rand(4, 23, device=device) > 0.2
+    mask[3, 1:] = False  # a short row
+    w = torch.randn(4, 23, 4, device=device) if sorted else torch.randn(4, 23, device=device)
+    grads = []
+    for b in (backend, "torch"):
+        xg = x.clone().requires_grad_()
+        (soft_topk(xg, 4, epsilon=0.3, sorted=sorted, mask=mask, backend=b, scaling="paper") * w).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_rows_stream_in_several_blocks(backend):
+    torch.manual_seed(3)
+    x = torch.randn(2, 3000, device=_device(backend))
+    a, b, _, _ = _both(x, 5, backend, epsilon=0.05, sorted=True)
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_is_refused_by_the_fused_backends(backend):
+    with pytest.raises(ValueError, match="float32"):
+        soft_topk(torch.randn(2, 5, dtype=torch.float64, device=_device(backend)), 2, backend=backend)
+
+
+# ---- the C kernels only: cheap enough for harder cases -------------------------------------------------
+
+
+@pytest.mark.parametrize("sorted", [False, True])
+@pytest.mark.parametrize("case", ["huge", "tiny_eps", "ties", "smallest", "many_ranks"])
+def test_cpu_kernels_on_hard_inputs(sorted, case):
+    torch.manual_seed(4)
+    x, k, kw = torch.randn(6, 300), 5, dict(epsilon=0.1)
+    if case == "huge":
+        x = x * 1e30
+        kw = dict(epsilon=1e29)
+    elif case == "tiny_eps":
+        kw = dict(epsilon=1e-3)
+    elif case == "ties":
+        x = torch.randint(0, 4, (6, 300)).float()
+    elif case == "smallest":
+        kw = dict(epsilon=0.2, largest=False)
+    else:
+        k = 40
+    a, b, ia, ib = _both(x, k, "cpu", sorted=sorted, **kw)
+    assert bool(torch.isfinite(a).all())
+    torch.testing.assert_close(a, b, atol=5e-5, rtol=0)
+    assert float(ia.error.max()) <= max(float(ib.error.max()) * 10, 1e-5)
+    xg = [x.clone().requires_grad_() for _ in range(2)]
+    w = torch.randn(a.shape)
+    for xi, backend in zip(xg, ("cpu", "torch")):
+        (soft_topk(xi, k, sorted=sorted, backend=backend, **kw) * w).sum().backward()
+    assert bool(torch.isfinite(xg[0].grad).all())
+    scale = float(xg[1].grad.abs().max()) + 1e-30
+    # (at eps = 1e-3 the gradient moves by 1/eps times the float32 rounding of the thresholds)
+    torch.testing.assert_close(xg[0].grad / scale, xg[1].grad / scale, atol=1e-3, rtol=0)
+
+
+def test_auto_uses_the_cpu_kernels_for_sorted_float32(monkeypatch):
+    calls = []
+    real = cpu_kernels.forward
+    monkeypatch.setattr(cpu_kernels, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = torch.randn(3, 20)
+    soft_topk(x, 3, sorted=True)
+    assert calls == [1]
+    soft_topk(x, 3, sorted=False)           # the unsorted operator keeps its scalar root (as fast)
+    soft_topk(x.double(), 3, sorted=True)   # float64: the PyTorch path
+    assert calls == [1]
+
+
+def test_cpu_backend_on_cuda_tensors_is_a_clear_error():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA tensor")
+    with pytest.raises(ValueError, match="CPU tensors"):
+        soft_topk(torch.randn(2, 5, device="cuda"), 2, backend="cpu", sorted=True)
+
+
+CACHE_PROBE = r"""
+import os, sys, warnings
+import torch
+from softtopk_fairseq.ops import cpu_kernels, soft_topk
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = soft_topk(torch.randn(2, 8), 3, sorted=True)
+print("sum", round(float(out.sum()), 4))
+print("fallback" if any("falling back" in str(w.message) for w in caught) else "fused")
+try:
+    soft_topk(torch.randn(2, 8), 3, sorted=True, backend="cpu")
+except RuntimeError as e:
+    print("error:", str(e).splitlines()[0])
+print(sorted(os.listdir(cpu_kernels.cache_dir())))
+"""
+
+
+def test_kernels_are_built_once_into_the_cache_dir(tmp_path):
+    env = dict(os.environ, SOFTTOPK_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", CACHE_PROBE], env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "sum 6.0" in run.stdout and "fused" in run.stdout and "error" not in run.stdout
+    libs = [f for f in os.listdir(tmp_path) if f.endswith(".so")]
+    assert len(libs) == 1 and libs[0].startswith("soft_topk_cpu_")  # no leftover temporary file either
+    assert runs[0].stdout.splitlines()[-1] == runs[1].stdout.splitlines()[-1]
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_backend_says_why(tmp_path):
+    env = dict(os.environ, SOFTTOPK_CACHE_DIR=str(tmp_path), CC=str(tmp_path / "no-such-cc"))
+    run = subprocess.run([sys.executable, "-c", CACHE_PROBE], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "sum 6.0" in run.stdout and "fallback" in run.stdout
+    assert "error: soft_topk: the fused CPU kernels could not be built" in run.stdout
+
+
+def test_cpu_row_top_matches_torch_topk():
+    torch.manual_seed(5)
+    x = torch.randint(-3, 4, (50, 9)).float()  # many ties
+    x[0, 2] = torch.nan
+    x[1, 5] = torch.inf
+    valid = torch.rand(50, 9) > 0.3
+    valid[2] = False
+    for kk in (1, 4, 9):
+        ref = torch.topk(torch.where(valid, x, torch.tensor(-torch.inf)), kk).values
+        got = cpu_kernels.row_top(x, valid, kk)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(ref, nan=7.0))
+    assert torch.equal(cpu_kernels.row_top(x[3:], None, 3), torch.topk(x[3:], 3).values)
