@@ -208,9 +208,34 @@ def report(args) -> str:
         nll_cell = f"{statistics.mean(nll):.3f}" if nll else "-"
         lines.append(f"| {group} | {len(rs)} | {_mean_std(val)} | {_mean_std(test) if test else '-'} | {nll_cell} | "
                      f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
+    # Per-run details at the first seed (the sweep's seed): what the training log says about each objective.
+    seed = "seed1"
+    lines += ["", f"| run ({seed}) | BLEU val (beam 5) | val NLL (bits/token) | gradient norm / clipped (epoch) | "
+              "soft_loss (bits/token) | pruned-mass bound |", "|---|---|---|---|---|---|"]
+    for group, rs in groups.items():
+        r = next((r for r in rs if r["key"] == f"{group}.{seed}"), None)
+        if r is None:
+            continue
+        log = os.path.join(args.workdir, "checkpoints", r["key"], "train.log")
+        t = train_summary(log)
+        nll = final_valid(log, "nll_loss")
+        lines.append(f"| {group} | {r['bleu']['valid']:.2f} | {'-' if nll is None else f'{nll:.3f}'} | "
+                     f"{t.get('gnorm', '-')} / {t.get('clip', '-')} % | {t.get('soft_loss', '-')} | "
+                     f"{t.get('pruned_mass', '-')} |")
     table = "\n".join(lines)
     print(table)
     return table
+
+
+def train_summary(log_path: str) -> Dict[str, str]:
+    """Fields of the last end-of-epoch training line of a fairseq log (``| train | epoch ...``)."""
+    fields: Dict[str, str] = {}
+    if os.path.exists(log_path):
+        with open(log_path, encoding="utf-8") as f:
+            for line in f:
+                if "| train | epoch" in line:
+                    fields = dict(re.findall(r"\| (\w+) ([-\d.e+]+)", line))
+    return fields
 
 
 def final_valid(log_path: str, key: str):

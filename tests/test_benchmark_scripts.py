@@ -49,6 +49,8 @@ def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):
             "ppl=79.38, num_updates=50, lr=0.001\n"
             "2026-11-22 10:27:38 | INFO | train_inner | epoch 001:    100 / 139 loss=6.1, nll_loss=5.5, "
             "num_updates=100, lr=0.001\n"
+            "2026-11-22 10:50:04 | INFO | train | epoch 001 | loss 4.9 | soft_loss 5.6 | pruned_mass 5 | gnorm 0.873 "
+            "| clip 30 | num_updates 50\n"
             "2026-11-22 10:50:04 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 4.172 | nll_loss 2.724 "
             "| tf_loss 4.172 | ppl 6.6 | num_updates 50\n")
     results = study.load_results(str(work))
@@ -64,6 +66,7 @@ def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):
     table = study.report(type("A", (), {"workdir": str(work)}))
     assert "| tf | 2 | 41.00 ± 1.41 | 42.00 ± 1.41 | 2.724 | 10 |" in table
     assert "| soft_beam_eps1 | 1 | 38.00 | - | 2.724 | 10 |" in table
+    assert "| soft_beam_eps1 | 38.00 | 2.724 | 0.873 / 30 % | 5.6 | 5 |" in table  # seed-1 details from the log
     assert study.last_value(paper + ["--soft-topk-epsilon", "1"], "--soft-topk-epsilon") == "1"
     assert study.training_curve(str(work / "checkpoints" / "tf.seed1" / "train.log"), "nll_loss") == [
         (50, 6.311), (100, 5.5)]
