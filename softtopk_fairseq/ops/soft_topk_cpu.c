@@ -250,32 +250,61 @@ static void free_workspace(workspace *w) {
     free(w->d);
 }
 
-int soft_topk_forward(const float *x, const uint8_t *valid, const float *centre, const float *eps, float bound,
-                       const float *tz, const float *shift, const float *c, const int32_t *m_act, float *out,
-                       float *info, int64_t rows, int64_t n, int k, int mp, int sorted, double tol, int max_iter,
-                       int max_halvings, int threads) {
-    int failed = 0;  /* returned: 1 when a thread could not allocate its scratch (its rows are not done) */
-    /* Rows differ in their number of iterations: hand them out dynamically, in chunks big enough that
-     * many short rows do not queue on the scheduler, small enough that a few long rows spread. */
+/* Run fn(r, scratch, ctx) for every row over `threads` OpenMP threads, each with its own scratch. Rows differ
+ * in their number of iterations: they are handed out dynamically, in chunks big enough that many short rows
+ * do not queue on the scheduler, small enough that a few long rows spread. Returns 1 when a thread could
+ * not allocate its scratch (its rows are then not done). Every thread takes part in the loop either way:
+ * a worksharing loop must be met by the whole team. */
+typedef void (*row_fn)(int64_t r, workspace *w, const void *ctx);
+
+static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn, const void *ctx) {
+    int failed = 0;
     int chunk = (int)(rows / (8 * (int64_t)threads));
     chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
 #pragma omp parallel num_threads(threads)
     {
         workspace w;
-        if (!alloc_workspace(&w, mp, n)) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
+        int ok = alloc_workspace(&w, mp, n);
 #pragma omp for schedule(dynamic, chunk)
-            for (int64_t r = 0; r < rows; r++) {
-                forward_row(x + r * n, valid ? valid + r * n : NULL, n, centre[r], eps[r], bound, k, tz + r * mp,
-                            shift + r * mp, c + r * mp, m_act[r], mp, sorted, tol, max_iter, max_halvings,
-                            out + (sorted ? r * n * k : r * n), info + 2 * r, &w);
+        for (int64_t r = 0; r < rows; r++) {
+            if (ok) {
+                fn(r, &w, ctx);
+            } else {
+#pragma omp atomic write
+                failed = 1;
             }
-            free_workspace(&w);
         }
+        if (ok) free_workspace(&w);
     }
     return failed;
+}
+
+typedef struct {
+    const float *x, *centre, *eps, *tz, *shift, *c;
+    const uint8_t *valid;
+    const int32_t *m_act;
+    float bound, *out, *info;
+    int64_t n;
+    int k, mp, sorted, max_iter, max_halvings;
+    double tol;
+} forward_args;
+
+static void forward_task(int64_t r, workspace *w, const void *ctx) {
+    const forward_args *a = ctx;
+    int64_t n = a->n;
+    int mp = a->mp;
+    forward_row(a->x + r * n, a->valid ? a->valid + r * n : NULL, n, a->centre[r], a->eps[r], a->bound, a->k,
+                a->tz + r * mp, a->shift + r * mp, a->c + r * mp, a->m_act[r], mp, a->sorted, a->tol, a->max_iter,
+                a->max_halvings, a->out + (a->sorted ? r * n * a->k : r * n), a->info + 2 * r, w);
+}
+
+int soft_topk_forward(const float *x, const uint8_t *valid, const float *centre, const float *eps, float bound,
+                      const float *tz, const float *shift, const float *c, const int32_t *m_act, float *out,
+                      float *info, int64_t rows, int64_t n, int k, int mp, int sorted, double tol, int max_iter,
+                      int max_halvings, int threads) {
+    forward_args a = {x, centre, eps, tz, shift, c, valid, m_act, bound, out, info, n, k, mp, sorted, max_iter,
+                      max_halvings, tol};
+    return parallel_rows(rows, n, mp, threads, forward_task, &a);
 }
 
 /* Plan block rebuilt from the output (rest column = 1 - taken where rest_on) and the upstream gradient,
@@ -358,32 +387,28 @@ static void backward_row(const float *out, const float *gout, const uint8_t *val
     }
 }
 
+typedef struct {
+    const float *out, *gout, *x, *y, *eps;
+    const uint8_t *valid;
+    const int32_t *m_act, *rest_on;
+    float *grad, *grad_eps;
+    int64_t n;
+    int k, mp, sorted;
+} backward_args;
+
+static void backward_task(int64_t r, workspace *w, const void *ctx) {
+    const backward_args *a = ctx;
+    int64_t n = a->n, stride = a->sorted ? a->k : 1;
+    backward_row(a->out + r * n * stride, a->gout + r * n * stride, a->valid ? a->valid + r * n : NULL,
+                 a->x ? a->x + r * n : NULL, n, a->k, a->sorted, a->y, a->m_act[r], a->rest_on[r], a->eps[r], a->mp,
+                 a->grad + r * n, a->grad_eps + r, w);
+}
+
 int soft_topk_backward(const float *out, const float *gout, const uint8_t *valid, const float *x, const float *y,
-                        const int32_t *m_act, const int32_t *rest_on, const float *eps, float *grad,
-                        float *grad_eps, int64_t rows, int64_t n, int k, int mp, int sorted, int threads) {
-    int stride = sorted ? k : 1;
-    int failed = 0;  /* returned: 1 when a thread could not allocate its scratch (its rows are not done) */
-    /* Rows differ in their number of iterations: hand them out dynamically, in chunks big enough that
-     * many short rows do not queue on the scheduler, small enough that a few long rows spread. */
-    int chunk = (int)(rows / (8 * (int64_t)threads));
-    chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
-#pragma omp parallel num_threads(threads)
-    {
-        workspace w;
-        if (!alloc_workspace(&w, mp, n)) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-#pragma omp for schedule(dynamic, chunk)
-            for (int64_t r = 0; r < rows; r++) {
-                backward_row(out + r * n * stride, gout + r * n * stride, valid ? valid + r * n : NULL,
-                             x ? x + r * n : NULL, n, k, sorted, y, m_act[r], rest_on[r], eps[r], mp, grad + r * n,
-                             grad_eps + r, &w);
-            }
-            free_workspace(&w);
-        }
-    }
-    return failed;
+                       const int32_t *m_act, const int32_t *rest_on, const float *eps, float *grad,
+                       float *grad_eps, int64_t rows, int64_t n, int k, int mp, int sorted, int threads) {
+    backward_args a = {out, gout, x, y, eps, valid, m_act, rest_on, grad, grad_eps, n, k, mp, sorted};
+    return parallel_rows(rows, n, mp, threads, backward_task, &a);
 }
 
 /* The kk largest valid scores of each row in decreasing order, -inf past the valid ones; NaN ranks above
