@@ -306,9 +306,16 @@ def plot(args) -> None:
         log = os.path.join(args.workdir, "checkpoints", key, "train.log")
         if os.path.exists(log):
             curves[key] = dict(training_curve(log, "nll_loss"))
+    if "pretrain" in curves:
+        axes[0].plot(list(curves["pretrain"]), list(curves["pretrain"].values()), label="pretrain (rnnsearch)", lw=1)
+    scratch: Dict[str, List[Dict[int, float]]] = {}
     for key, pts in curves.items():
-        if key == "pretrain" or key.startswith("attn_"):
-            axes[0].plot(list(pts), list(pts.values()), label=key, lw=1)
+        if key.startswith("attn_"):
+            scratch.setdefault(key.rpartition(".")[0], []).append(pts)
+    for group, runs in sorted(scratch.items()):  # the attention runs: mean over seeds
+        updates = sorted(set.intersection(*(set(r) for r in runs)))
+        axes[0].plot(updates, [statistics.mean(r[u] for r in runs) for u in updates], lw=1,
+                     label=f"{group} (transformer, {len(runs)} seed{'s' if len(runs) > 1 else ''})")
     by_group: Dict[str, List[Dict[int, float]]] = {}
     for key, pts in curves.items():
         group, _, seed = key.rpartition(".")
