@@ -198,6 +198,10 @@ def report(args) -> str:
     groups: Dict[str, List[dict]] = {}
     for r in rows:
         groups.setdefault(r["group"], []).append(r)
+    # Table order: pre-training, the fine-tuning runs, the sweep, the attention runs.
+    order = ["pretrain", *FINETUNE_RUNS, *sorted(g for g in groups if g.startswith("soft_beam_")),
+             *(f"attn_{name}" for name in ATTENTION)]
+    groups = {g: groups[g] for g in sorted(groups, key=lambda g: order.index(g) if g in order else len(order))}
     lines = ["| run | seeds | BLEU val (beam 5) | BLEU test_2016_flickr (beam 5) | val NLL (bits/token) | "
              "train s per run |", "|---|---|---|---|---|---|"]
     for group, rs in groups.items():
