@@ -173,9 +173,9 @@ def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, t
         if kernels is cpu_kernels:  # it normalises the scores itself: no pass over them here
             return kernels.forward(x.contiguous(), mask, centre.contiguous(), eps.contiguous(), bound, tz, shift,
                                    c_pad, m_act, k, sorted, tol, max_iter)
-        u = _normalise(x, centre, eps, bound).masked_fill_(~valid, 0.0)
-        return kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
     u = _normalise(x, centre, eps, bound).masked_fill_(~valid, 0.0)
+    if kernels is not None:
+        return kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
     if method == "newton" and not sorted:
         return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, u_top)
     if method == "newton":
