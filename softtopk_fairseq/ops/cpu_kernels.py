@@ -110,6 +110,11 @@ def available() -> bool:
         return False
 
 
+def padded_anchors(m: int) -> int:
+    """Anchor-axis length of the per-row inputs (the same interface as ``triton_kernels``): no padding here."""
+    return m
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 

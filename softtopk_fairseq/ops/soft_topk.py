@@ -141,10 +141,6 @@ def _fused_kernels(x: Tensor, method: str, backend: str, sorted: bool):
     return cpu_kernels if sorted and x.device.type == "cpu" and cpu_kernels.available() else None
 
 
-def _padded_anchors(kernels, m: int) -> int:
-    return kernels.padded_anchors(m) if hasattr(kernels, "padded_anchors") else m
-
-
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -168,7 +164,7 @@ def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, t
     u_top = torch.where(torch.isfinite(top), _normalise(top, centre, eps, bound), top)  # the same bits as u's
     y, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
     if kernels is not None:
-        tz, shift, c_pad, m_act = _fused_inputs(x, valid, c, _padded_anchors(kernels, c.shape[-1]), u_top)
+        tz, shift, c_pad, m_act = _fused_inputs(x, valid, c, kernels.padded_anchors(c.shape[-1]), u_top)
         mask = None if all_valid else valid.contiguous()
         if kernels is cpu_kernels:  # it normalises the scores itself: no pass over them here
             return kernels.forward(x.contiguous(), mask, centre.contiguous(), eps.contiguous(), bound, tz, shift,
@@ -199,7 +195,7 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tens
     if kernels is not None:
         n_valid = valid.sum(-1)
         y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
-        mp = _padded_anchors(kernels, c.shape[-1])
+        mp = kernels.padded_anchors(c.shape[-1])
         y_pad = out.new_zeros(mp)
         y_pad[: y.shape[0]] = y
         m_act = (c > 0).sum(-1).to(torch.int32)
