@@ -43,7 +43,10 @@ PAPER = ["--teacher-forcing-ratio", "0.8", "--soft-beam-size", "5", "--soft-topk
 
 # Run name -> extra arguments of finetune_soft_beam.sh (after the recipe's defaults), one run per seed.
 FINETUNE_RUNS = {"tf": TF_RUN, "soft_beam": PAPER,
-                 "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"]}
+                 # Temperature 0.1 nats (measured before --soft-topk-scaling applied to softmax_k_times) ...
+                 "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times", "--soft-topk-scaling", "none"],
+                 # ... and the same temperature as the OT operator's at eps 0.1 with the paper's scaling.
+                 "softmax_k_times_paper_scaling": PAPER + ["--soft-topk-method", "softmax_k_times"]}
 
 
 def sweep_runs(args) -> Dict[str, List[str]]:

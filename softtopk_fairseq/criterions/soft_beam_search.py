@@ -44,7 +44,7 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                         "(k successive softmaxes, the Goyal et al. 2018 style baseline)"})
     soft_topk_epsilon: float = field(
         default=0.1, metadata={"help": "temperature of the relaxed top-k: the paper's normalised epsilon with "
-                                       "--soft-topk-scaling paper; in nats with 'none' and for softmax_k_times"})
+                                       "--soft-topk-scaling paper (for both methods); in nats with 'none'"})
     soft_topk_scaling: ChoiceEnum(SCALINGS) = field(
         default="paper", metadata={"help": "'paper' (default, the paper's setting) divides the OT cost by its "
                                            "per-sentence maximum like the authors' code: temperature = epsilon * "

@@ -95,8 +95,9 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     Args:
         target: (bsz, T) gold tokens, right-padded with ``pad``, each row ending in ``eos``.
         beam: k. relaxation: ``"ot"`` (sorted SOFT top-k) or ``"softmax_k_times"``.
-        epsilon, scaling, tol, max_iter: passed to ``soft_topk`` (epsilon is the softmax temperature of
-            ``softmax_k_times``), in units of log-likelihood.
+        epsilon, scaling: the relaxation's temperature, in units of log-likelihood with ``scaling="none"``,
+            normalised per sentence with ``"paper"`` (for both relaxations: ``softmax_k_times`` then uses the
+            temperature ``soft_topk`` would). tol, max_iter: passed to ``soft_topk``.
         candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all).
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
             ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
@@ -166,13 +167,12 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                 iters.append(info.iterations.detach().float().mean())
                 errs.append(info.error.detach().max())
             else:
-                A = softmax_k_times(kept, k, temperature=epsilon)
+                A = softmax_k_times(kept, k, temperature=epsilon, scaling=scaling)
                 iters.append(lprobs.new_zeros(()))
                 errs.append(lprobs.new_zeros(()))
             if not exact:
                 with torch.no_grad():
-                    eps = effective_epsilon(top, k, epsilon=epsilon, sorted=True,
-                                            scaling=scaling if relaxation == "ot" else "none")
+                    eps = effective_epsilon(top, k, epsilon=epsilon, sorted=True, scaling=scaling)
                     # log sum_p exp((x_p - x_w) / eps) over the pruned candidates, in place on cand; x_w is the
                     # weakest finite kept score (if some kept ones are -inf, nothing finite was pruned: sum 0).
                     x_w = torch.where(top > -torch.inf, top, torch.inf).amin(-1, keepdim=True)

@@ -9,25 +9,35 @@ Rank ``l`` is a softmax over the scores with the hard top-``l`` entries removed:
 so every rank column sums to 1, but unlike the OT operator the rows need not sum to at most 1 (an element can
 be counted at several ranks). The removal set is hard (no gradient flows through which entries were
 removed); the gradient flows through the softmaxes. ``-inf`` scores and ``mask == False`` entries get 0.
+
+With ``scaling="paper"`` the temperature ``T`` of a row is the one ``soft_topk(..., sorted=True,
+scaling="paper")`` uses at the same ``epsilon`` (``epsilon * max_cost / 2``, see
+:func:`~softtopk_fairseq.ops.effective_epsilon`), so the two relaxations can be compared at one setting.
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from softtopk_fairseq.ops.soft_topk import _row_temperature
+
 
 def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, temperature: float = 0.1,
-                    mask: Optional[Tensor] = None) -> Tensor:
+                    mask: Optional[Tensor] = None, scaling: str = "none") -> Tensor:
     """Sorted top-k relaxed by ``k`` successive softmaxes; output ``scores.shape + (k,)`` (ranks last,
     ``dim`` keeps its place), ``A[..., i, l]`` = soft indicator that element ``i`` has rank ``l``.
 
-    ``temperature`` is in the units of the scores. A row with fewer than ``l + 1`` valid entries gets an
-    all-zero rank-``l`` column (like ``soft_topk``'s degenerate rows).
+    ``temperature`` is in the units of the scores (``scaling="none"``), or the normalised epsilon of the
+    OT operator (``scaling="paper"``: the same per-row temperature as ``soft_topk``, differentiated like
+    there). A row with fewer than ``l + 1`` valid entries gets an all-zero rank-``l`` column (like
+    ``soft_topk``'s degenerate rows).
     """
     if not scores.is_floating_point():
         raise TypeError(f"softmax_k_times: scores must be a float tensor, got {scores.dtype}")
     if not temperature > 0:
         raise ValueError(f"softmax_k_times: temperature must be > 0, got {temperature}")
+    if scaling not in ("none", "paper"):
+        raise ValueError(f"softmax_k_times: scaling must be 'none' or 'paper', got {scaling!r}")
     if bool(torch.isnan(scores).any()):
         raise ValueError("softmax_k_times: scores contain NaN")
     dim = dim % scores.dim()
@@ -39,7 +49,11 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, temperature: float
     if mask is not None:
         valid = valid & mask.expand(scores.shape).movedim(dim, -1)
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    logits = torch.where(valid, compute / temperature, torch.full_like(compute, -torch.inf))
+    rows = compute.reshape(-1, n)
+    T = _row_temperature(rows, valid.reshape(rows.shape), k, temperature, True, scaling).reshape(x.shape[:-1])
+    # -inf scores are zeroed before the division: d(x / T)/dT = -x / T^2 would be inf there, and inf * 0 = NaN.
+    finite = torch.where(valid, compute, torch.zeros_like(compute))
+    logits = torch.where(valid, finite / T.unsqueeze(-1), torch.full_like(compute, -torch.inf))
     top = torch.topk(logits.detach(), k, dim=-1).indices
     removed = torch.zeros_like(valid)
     cols = []
