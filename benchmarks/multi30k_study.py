@@ -128,7 +128,7 @@ def train_and_score(args, key: str, group: str, script: str, positional: List[st
     if key in done:
         print(f"{key}: done before, skipped", flush=True)
         return
-    data = os.path.join(args.workdir, "data")
+    data = data_dir(args)
     save = os.path.join(args.workdir, "checkpoints", key)
     os.makedirs(save, exist_ok=True)
     start = time.time()
@@ -139,9 +139,14 @@ def train_and_score(args, key: str, group: str, script: str, positional: List[st
                           **info})
 
 
+def data_dir(args) -> str:
+    """The prepared data: WORKDIR/data, or another study's with ``--prepared`` (same BPE: comparable runs)."""
+    return args.prepared or os.path.join(args.workdir, "data")
+
+
 def run(args) -> None:
     os.makedirs(args.workdir, exist_ok=True)
-    data = os.path.join(args.workdir, "data")
+    data = data_dir(args)
     d = args.data
     if not os.path.exists(os.path.join(data, "bin", "dict.fr.txt")):
         sh([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", data, "--train", f"{d}/train",
@@ -151,8 +156,9 @@ def run(args) -> None:
     both = ["valid", "test"]
     if "pretrain" in args.stages:
         train_and_score(args, "pretrain", "pretrain", "train.sh", [],
-                        COMMON + PRETRAIN + ["--max-update", str(args.pretrain_updates), "--seed", "1"],
-                        both, done, seed=1, updates=args.pretrain_updates)
+                        COMMON + PRETRAIN + ["--max-update", str(args.pretrain_updates),
+                                             "--seed", str(args.pretrain_seed)],
+                        both, done, seed=args.pretrain_seed, updates=args.pretrain_updates)
     pretrained = os.path.join(args.workdir, "checkpoints", "pretrain", "checkpoint_last.pt")
 
     def finetune(key, group, extra, seed, subsets):
@@ -162,7 +168,8 @@ def run(args) -> None:
 
     if "finetune" in args.stages:
         for seed in args.seeds:
-            for name, extra in FINETUNE_RUNS.items():
+            for name in args.finetune_runs:
+                extra = FINETUNE_RUNS[name]
                 finetune(f"{name}.seed{seed}", name, extra, seed, both)
     if "sweep" in args.stages:
         for name, extra in sweep_runs(args).items():
@@ -359,8 +366,13 @@ def main(argv=None) -> None:
                    choices=["pretrain", "finetune", "sweep", "best", "attention"])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--bpe-size", type=int, default=8000, help="sentencepiece vocabulary size")
+    p.add_argument("--prepared", help="prepared data of another workdir (WORKDIR/data), instead of preparing anew")
+    p.add_argument("--pretrain-seed", type=int, default=1,
+                   help="seed of the pre-training run (one per workdir: other seeds go to other workdirs)")
     p.add_argument("--pretrain-updates", type=int, default=600)
     p.add_argument("--finetune-updates", type=int, default=50)
+    p.add_argument("--finetune-runs", nargs="+", default=list(FINETUNE_RUNS), choices=list(FINETUNE_RUNS),
+                   help="which fine-tuning runs the finetune stage makes")
     p.add_argument("--sweep-epsilon", type=float, nargs="*", default=[0.01, 1.0])
     p.add_argument("--sweep-rho", type=float, nargs="*", default=[0.5])
     p.add_argument("--sweep-beam", type=int, nargs="*", default=[3])
