@@ -15,7 +15,8 @@ from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 NATS = dict(soft_topk_scaling="none")  # epsilon in nats of log-likelihood
 SETTINGS = [dict(NATS, soft_topk_epsilon=0.01), dict(NATS, soft_topk_epsilon=0.1), dict(NATS, soft_topk_epsilon=1.0),
             dict(NATS, soft_topk_epsilon=10.0), dict(soft_topk_epsilon=0.1, soft_topk_scaling="paper"),
-            dict(soft_topk_epsilon=0.1, soft_topk_method="softmax_k_times")]
+            dict(NATS, soft_topk_epsilon=0.1, soft_topk_method="softmax_k_times"),
+            dict(soft_topk_epsilon=0.1, soft_topk_scaling="paper", soft_topk_method="softmax_k_times")]
 
 
 def checkpoint_arguments(description):
