@@ -1,4 +1,4 @@
-"""The training-step benchmark scripts run end to end (tiny sizes; their figures come from real runs)."""
+"""The benchmark scripts run end to end (tiny sizes or a tiny checkpoint; their figures come from real runs)."""
 import os
 import subprocess
 import sys
@@ -72,3 +72,38 @@ def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):
         (50, 6.311), (100, 5.5)]
     study.main(["plot", "--workdir", str(work), "--out", str(tmp_path / "fig")])
     assert sorted(os.listdir(tmp_path / "fig")) == ["multi30k_bleu_vs_epsilon.png", "multi30k_training_curves.png"]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(toy_data_bin, tmp_path_factory):
+    from fairseq_cli import USER_DIR, fairseq, tiny_arch
+
+    save = tmp_path_factory.mktemp("bench_checkpoint")
+    fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "1", *tiny_arch("lstm"),
+            "--optimizer", "adam", "--lr", "0.005", "--max-tokens", "400", "--max-update", "2", "--save-dir", save,
+            "--no-epoch-checkpoints", "--num-workers", "0", "--required-batch-size-multiple", "1")
+    return save / "checkpoint_last.pt"
+
+
+@pytest.mark.parametrize("script,args", [
+    ("soft_beam_grad_norms.py", ["--eval-mode"]),
+    ("soft_beam_duplicates.py", ["--beam", "2"]),
+    ("soft_beam_backend_drift.py", ["--beam", "2"]),
+])
+def test_checkpoint_scripts_print_their_tables(tiny_checkpoint, toy_data_bin, script, args):
+    out = subprocess.run([sys.executable, os.path.join(BENCH, script), str(tiny_checkpoint), str(toy_data_bin),
+                          "--max-tokens", "200", "--candidates", "10", *args],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    if script == "soft_beam_grad_norms.py":  # teacher forcing + one row per setting, finite figures
+        sys.path.insert(0, BENCH)
+        import soft_beam_grad_norms
+
+        assert len(rows) == 2 + len(soft_beam_grad_norms.SETTINGS), out.stdout
+        assert all(float(cell) < float("inf") for row in rows[1:] for cell in row[1:]), out.stdout
+    elif script == "soft_beam_duplicates.py":  # 2 scalings x 2 bookkeepings, "d / n" with n > 0
+        assert len(rows) == 5 and all(int(row[2].split("/")[1]) > 0 for row in rows[1:]), out.stdout
+    else:  # one row per decoding step; step 0 sees the same scores in both runs
+        assert len(rows) >= 3 and float(rows[1][1]) == 0.0, out.stdout
+        assert all(float(row[3]) < 1e-4 for row in rows[1:]), out.stdout  # the solvers agree on the same scores
