@@ -154,6 +154,9 @@ def run(args) -> None:
             "--workers", "2"], os.path.join(args.workdir, "prepare.log"))
     done = load_results(args.workdir)
     both = ["valid", "test"]
+    if "pretrain" in done and done["pretrain"].get("seed", 1) != args.pretrain_seed:
+        sys.exit(f"{args.workdir} holds a model pre-trained with seed {done['pretrain'].get('seed', 1)}, not "
+                 f"--pretrain-seed {args.pretrain_seed}: use another --workdir")
     if "pretrain" in args.stages:
         train_and_score(args, "pretrain", "pretrain", "train.sh", [],
                         COMMON + PRETRAIN + ["--max-update", str(args.pretrain_updates),
