@@ -12,7 +12,7 @@ import torch
 
 import softtopk_fairseq.modules.soft_beam_search as beam_module
 from softtopk_fairseq.ops import soft_topk
-from soft_beam_grad_norms import checkpoint_arguments, load_model_and_batch
+from soft_beam_grad_norms import checkpoint_arguments, load_model_and_batch, soft_topk_replaced_by
 
 
 def run(model, sample, dictionary, backend, a):
@@ -24,15 +24,11 @@ def run(model, sample, dictionary, backend, a):
         calls.append((scores.detach().clone(), A.detach().clone(), kw))
         return (A, info) if return_info else A
 
-    beam_module.soft_topk = recording_soft_topk
-    try:
-        ni = sample["net_input"]
-        with torch.no_grad():
-            out = beam_module.soft_beam_search(
-                model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=dictionary.pad(),
-                eos=dictionary.eos(), beam=a.beam, epsilon=a.epsilon, scaling=a.scaling, candidates=a.candidates)
-    finally:
-        beam_module.soft_topk = soft_topk
+    ni = sample["net_input"]
+    with soft_topk_replaced_by(recording_soft_topk), torch.no_grad():
+        out = beam_module.soft_beam_search(
+            model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=dictionary.pad(),
+            eos=dictionary.eos(), beam=a.beam, epsilon=a.epsilon, scaling=a.scaling, candidates=a.candidates)
     return out, calls
 
 

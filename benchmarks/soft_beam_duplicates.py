@@ -9,9 +9,10 @@ import sys
 import torch
 
 import softtopk_fairseq.modules.soft_beam_search as search
+from softtopk_fairseq.ops import soft_topk
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soft_beam_grad_norms import checkpoint_arguments, load_model_and_batch  # noqa: E402
+from soft_beam_grad_norms import checkpoint_arguments, load_model_and_batch, soft_topk_replaced_by  # noqa: E402
 
 
 def main():
@@ -26,23 +27,18 @@ def main():
     for scaling in ("none", "paper"):
         for bookkeeping in ("argmax", "topk"):
             counts = [0, 0]
-            original = search.soft_topk
 
             def counting(kept, k, **kw):  # count on the argmax of A (what "argmax" bookkeeping continues)
-                A, info = original(kept, k, **kw)
+                A, info = soft_topk(kept, k, **kw)
                 best = A.detach().argmax(1) if bookkeeping == "argmax" else torch.topk(kept.detach(), k, 1).indices
                 counts[0] += sum(len(set(row.tolist())) < k for row in best)
                 counts[1] += best.shape[0]
                 return A, info
 
-            search.soft_topk = counting
-            try:
-                with torch.no_grad():
-                    search.soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(),
-                                            eos=d.eos(), beam=a.beam, epsilon=a.epsilon, scaling=scaling,
-                                            candidates=a.candidates, bookkeeping=bookkeeping)
-            finally:
-                search.soft_topk = original
+            with soft_topk_replaced_by(counting), torch.no_grad():
+                search.soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(),
+                                        eos=d.eos(), beam=a.beam, epsilon=a.epsilon, scaling=scaling,
+                                        candidates=a.candidates, bookkeeping=bookkeeping)
             print(f"| {scaling} | {bookkeeping} | {counts[0]} / {counts[1]} |", flush=True)
 
 

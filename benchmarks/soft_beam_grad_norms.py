@@ -4,12 +4,14 @@ checkpoint, for several relaxation settings (how soft is the soft beam search on
     .venv/bin/python benchmarks/soft_beam_grad_norms.py work/demo/checkpoints/tf/checkpoint_last.pt work/demo/bin
 """
 import argparse
+import contextlib
 
 import torch
 
 import softtopk_fairseq.fairseq_plugin  # noqa: F401
 from fairseq import checkpoint_utils
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+import softtopk_fairseq.modules.soft_beam_search as search
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 
 NATS = dict(soft_topk_scaling="none")  # epsilon in nats of log-likelihood
@@ -37,6 +39,17 @@ def load_model_and_batch(a):
     sample = next(task.get_batch_iterator(task.dataset(a.subset), max_tokens=a.max_tokens,
                                           required_batch_size_multiple=1).next_epoch_itr(shuffle=False))
     return models[0], task, sample
+
+
+@contextlib.contextmanager
+def soft_topk_replaced_by(fn):
+    """``soft_beam_search`` calls ``fn`` instead of ``soft_topk`` inside the block (to record or count its calls)."""
+    original = search.soft_topk
+    search.soft_topk = fn
+    try:
+        yield
+    finally:
+        search.soft_topk = original
 
 
 def main():
