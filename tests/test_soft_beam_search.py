@@ -203,7 +203,7 @@ def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
         true = full.sum(-1).sum(-1) - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum(-1).sum(-1)
         assert bool((true <= bound + 1e-12).all()), (true, bound)
     # softmax_k_times, rank 0: the exact pruned mass S_p / (S_p + S).
-    A2 = softmax_k_times(kept, 1, temperature=epsilon)
+    A2 = softmax_k_times(kept, 1, epsilon=epsilon)
     got = _pruned_mass_bound(A2, kept, rel, eps, "softmax_k_times")
     want = 1 - torch.softmax(scores / epsilon, -1).gather(1, idx).sum(-1)
     torch.testing.assert_close(got, want)

@@ -1,5 +1,9 @@
-"""Property-based tests of soft_topk over random shapes, dims, k, epsilon, -inf patterns, ties,
-magnitudes up to 1e30 and the four float dtypes."""
+"""Property-based tests of soft_topk over random shapes, dims, k, epsilon, both scalings, -inf patterns, ties,
+magnitudes up to 1e30 and the four float dtypes -- through every backend: the PyTorch path, the C kernels
+and the Triton kernels (on the GPU when there is one, else in the interpreter: fewer examples, it is slow).
+The fused backends compute in float32, so float64 draws become float32 there."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +17,20 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 MAX_MAG = {torch.float16: 3e4, torch.bfloat16: 1e30, torch.float32: 1e30, torch.float64: 1e30}
 # Tolerance on sums and ranges after rounding to the output dtype.
 TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"), reason="no triton runtime"))]
+EXAMPLES = {"torch": 120, "cpu": 60, "triton": 15}
+
+
+def _run_on(backend, x):
+    """The scores for ``backend``: float32 at most for the fused ones, on the GPU for Triton when present."""
+    if backend != "torch" and x.dtype == torch.float64:
+        x = x.float()
+    if backend == "triton" and torch.cuda.is_available():
+        x = x.cuda()
+    return x
 
 
 @st.composite
@@ -33,7 +51,8 @@ def cases(draw):
     neg_inf = torch.tensor(rng.random(size) < draw(st.sampled_from([0.0, 0.3, 0.9]))).view(shape)
     x = x.masked_fill(neg_inf, -torch.inf)
     epsilon = draw(st.sampled_from([1e-3, 0.1, 1.0, 10.0]))
-    return x.to(dtype), k, dim, epsilon
+    scaling = draw(st.sampled_from(["none", "none", "paper"]))
+    return x.to(dtype), k, dim, epsilon, scaling
 
 
 def _sum_expectations(x, k, dim):
@@ -41,13 +60,32 @@ def _sum_expectations(x, k, dim):
     return n_valid, torch.clamp(n_valid, max=k)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_unsorted_properties(case):
-    x, k, dim, epsilon = case
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unsorted_properties(backend):
+    _for_cases(backend, _check_unsorted)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sorted_properties(backend):
+    _for_cases(backend, _check_sorted)
+
+
+def _for_cases(backend, check):
+    @settings(max_examples=EXAMPLES[backend], deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(cases())
+    def run(case):
+        x, k, dim, epsilon, scaling = case
+        check(_run_on(backend, x), k, dim, dict(epsilon=epsilon, scaling=scaling, backend=backend))
+
+    run()
+
+
+def _check_unsorted(x, k, dim, kw):
     tol = TOL[x.dtype]
     xg = x.clone().requires_grad_()
-    a = soft_topk(xg, k, dim=dim, epsilon=epsilon)
+    a = soft_topk(xg, k, dim=dim, **kw)
+    x = x.cpu()
+    a = a.cpu()
     assert a.shape == x.shape and a.dtype == x.dtype
     af = a.double()
     assert bool(torch.isfinite(af).all())
@@ -61,18 +99,24 @@ def test_unsorted_properties(case):
     finite = torch.isfinite(xs)
     pair_ok = ~(finite[..., 1:] & finite[..., :-1]) | (as_[..., 1:] >= as_[..., :-1] - tol)
     assert bool(pair_ok.all())
-    (a.double() * torch.linspace(-1, 1, a.numel(), dtype=torch.float64).view(a.shape)).sum().backward()
-    assert bool(torch.isfinite(xg.grad.double()).all())
-    assert bool((xg.grad[~torch.isfinite(x.double())] == 0).all())
+    _check_grad(xg, a)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_sorted_properties(case):
-    x, k, dim, epsilon = case
+def _check_grad(xg, out):
+    """A linear loss's gradient is finite, and exactly 0 on the excluded (-inf) entries."""
+    w = torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device=xg.device).view(out.shape)
+    (out.double() * w).sum().backward()
+    grad = xg.grad.double().cpu()
+    assert bool(torch.isfinite(grad).all())
+    assert bool((grad[~torch.isfinite(xg.detach().double().cpu())] == 0).all())
+
+
+def _check_sorted(x, k, dim, kw):
     tol = TOL[x.dtype]
     xg = x.clone().requires_grad_()
-    s = soft_topk(xg, k, dim=dim, epsilon=epsilon, sorted=True)
+    s = soft_topk(xg, k, dim=dim, sorted=True, **kw)
+    x = x.cpu()
+    s = s.cpu()
     d = dim % x.dim()
     assert s.shape == (*x.shape, k) and s.dtype == x.dtype
     sf = s.double()
@@ -84,9 +128,7 @@ def test_sorted_properties(case):
     reachable = torch.arange(k) < n_valid.unsqueeze(-1)
     assert bool(((col - reachable.double()).abs() <= tol * 4).all())
     assert bool((sf.sum(-1) <= 1 + tol * 4).all())
-    (s.double() * torch.linspace(-1, 1, s.numel(), dtype=torch.float64).view(s.shape)).sum().backward()
-    assert bool(torch.isfinite(xg.grad.double()).all())
-    assert bool((xg.grad[~torch.isfinite(x.double())] == 0).all())
+    _check_grad(xg, s)
 
 
 @settings(max_examples=40, deadline=None)

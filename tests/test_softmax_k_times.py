@@ -20,7 +20,7 @@ def _by_definition(x, k, T):
 def test_matches_the_definition_and_columns_sum_to_one():
     torch.manual_seed(0)
     x = torch.randn(4, 9, dtype=torch.float64)
-    A = softmax_k_times(x, 3, temperature=0.3)
+    A = softmax_k_times(x, 3, epsilon=0.3)
     assert A.shape == (4, 9, 3)
     for i in range(4):
         torch.testing.assert_close(A[i], _by_definition(x[i], 3, 0.3))
@@ -29,9 +29,9 @@ def test_matches_the_definition_and_columns_sum_to_one():
 
 def test_dim_keeps_its_place():
     x = torch.randn(5, 7, dtype=torch.float64)
-    A = softmax_k_times(x, 2, dim=0, temperature=0.5)
+    A = softmax_k_times(x, 2, dim=0, epsilon=0.5)
     assert A.shape == (5, 7, 2)
-    torch.testing.assert_close(A, softmax_k_times(x.t(), 2, temperature=0.5).transpose(0, 1))
+    torch.testing.assert_close(A, softmax_k_times(x.t(), 2, epsilon=0.5).transpose(0, 1))
 
 
 def test_paper_scaling_uses_the_ot_operators_temperature():
@@ -42,16 +42,16 @@ def test_paper_scaling_uses_the_ot_operators_temperature():
     k = 3
     T = effective_epsilon(x, k, epsilon=0.1, sorted=True, scaling="paper")
     assert T.shape == (6,) and bool((T > 0).all()) and len(set(T.tolist())) == 6  # per row, not one number
-    A = softmax_k_times(x, k, temperature=0.1, scaling="paper")
+    A = softmax_k_times(x, k, epsilon=0.1, scaling="paper")
     for r in range(6):
-        torch.testing.assert_close(A[r], softmax_k_times(x[r], k, temperature=float(T[r])))
+        torch.testing.assert_close(A[r], softmax_k_times(x[r], k, epsilon=float(T[r])))
     # The two relaxations at one setting now see the same temperature: similar rank-0 columns when the
     # top score stands out, not one soft and one hard.
     y = torch.tensor([[5.0, 1.0, 0.5, 0.0, -1.0, -2.0]], dtype=torch.float64)
     ot = soft_topk(y, 2, sorted=True, epsilon=0.1, scaling="paper")
-    skt = softmax_k_times(y, 2, temperature=0.1, scaling="paper")
+    skt = softmax_k_times(y, 2, epsilon=0.1, scaling="paper")
     assert abs(float(ot[0, 0, 0] - skt[0, 0, 0])) < 0.5
-    assert float(softmax_k_times(y, 2, temperature=0.1)[0, 0, 0]) > 1 - 1e-12  # 0.1 nats: one-hot
+    assert float(softmax_k_times(y, 2, epsilon=0.1)[0, 0, 0]) > 1 - 1e-12  # 0.1 nats: one-hot
 
 
 @pytest.mark.parametrize("scaling", ["none", "paper"])
@@ -59,7 +59,7 @@ def test_gradient_matches_finite_differences(scaling):
     torch.manual_seed(2)
     x = (torch.randn(3, 6, dtype=torch.float64) * 2).requires_grad_()
     w = torch.randn(3, 6, 2, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda s: (softmax_k_times(s, 2, temperature=0.7, scaling=scaling) * w).sum(),
+    assert torch.autograd.gradcheck(lambda s: (softmax_k_times(s, 2, epsilon=0.7, scaling=scaling) * w).sum(),
                                     (x,))
 
 
@@ -68,7 +68,7 @@ def test_masked_and_minus_inf_entries_get_zero_and_short_rows_zero_columns():
                       [-torch.inf] * 4], requires_grad=True)
     mask = torch.tensor([[True, True, False, True], [True] * 4, [True] * 4])
     for scaling in ("none", "paper"):
-        A = softmax_k_times(x, 2, temperature=0.5, mask=mask, scaling=scaling)
+        A = softmax_k_times(x, 2, epsilon=0.5, mask=mask, scaling=scaling)
         assert torch.isfinite(A).all()
         assert float(A[0, 1].detach().abs().sum()) == 0 and float(A[0, 2].detach().abs().sum()) == 0
         torch.testing.assert_close(A[0].sum(0), torch.ones(2))
@@ -82,7 +82,7 @@ def test_masked_and_minus_inf_entries_get_zero_and_short_rows_zero_columns():
 @pytest.mark.parametrize("call, match", [
     (lambda: softmax_k_times(torch.tensor([1.0, float("nan")]), 1), "NaN"),
     (lambda: softmax_k_times(torch.randn(3), 4), "k=4"),
-    (lambda: softmax_k_times(torch.randn(3), 1, temperature=0.0), "temperature"),
+    (lambda: softmax_k_times(torch.randn(3), 1, epsilon=0.0), "epsilon"),
     (lambda: softmax_k_times(torch.randn(3), 1, scaling="log"), "scaling"),
     (lambda: softmax_k_times(torch.arange(3), 1), "float"),
 ])

@@ -167,7 +167,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                 iters.append(info.iterations.detach().float().mean())
                 errs.append(info.error.detach().max())
             else:
-                A = softmax_k_times(kept, k, temperature=epsilon, scaling=scaling)
+                A = softmax_k_times(kept, k, epsilon=epsilon, scaling=scaling)
                 iters.append(lprobs.new_zeros(()))
                 errs.append(lprobs.new_zeros(()))
             if not exact:

@@ -23,8 +23,13 @@ from typing import Optional
 
 import torch
 
+from softtopk_fairseq.ops.launch import ensure_contiguous
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+# The solver constants come from solvers.py as -D flags (part of the cache key with the other flags).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
+         *(f"-D{name}={value!r}" for name, value in sorted(KERNEL_CONSTANTS.items()))]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -77,7 +82,7 @@ def _build() -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.soft_topk_forward.argtypes = [p, p, p, p, f32, p, p, p, p, p, p, i64, i64, i32, i32, i32, f64, i32, i32, i32]
     lib.soft_topk_forward.restype = ctypes.c_int
-    lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
+    lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
     lib.soft_topk_backward.restype = ctypes.c_int
     lib.soft_topk_row_top.argtypes = [p, p, p, i64, i64, i32, i32]
     lib.soft_topk_row_top.restype = ctypes.c_int
@@ -119,6 +124,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+@ensure_contiguous
 def row_top(x, valid, kk):
     """The ``kk`` largest valid entries of each row of ``x`` (rows, n), decreasing, ``-inf`` past the valid
     ones, a NaN first (like ``torch.topk(torch.where(valid, x, -inf), kk).values``, much faster for many
@@ -130,6 +136,7 @@ def row_top(x, valid, kk):
     return top
 
 
+@ensure_contiguous
 def forward(x, valid, centre, eps, bound, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8):
     """Fused forward on the raw scores ``x`` (rows, n), normalised in the kernel as
     ``clamp((x - centre) / eps, -bound, bound)`` with per-row ``centre`` and ``eps`` (rows,); ``valid``
@@ -148,24 +155,26 @@ def forward(x, valid, centre, eps, bound, tz, shift, c, m_act, k, sorted, tol, m
     return out, info
 
 
-def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted, x=None):
-    """Fused backward: dL/dx (rows, n) for the scores divided by ``eps``, and, when the scores ``x`` are
-    given, dL/deps (rows,) (else zeros)."""
+@ensure_contiguous
+def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
+    """Fused backward: dL/dx (rows, n) of the scores (the temperature ``eps`` (rows,) divides it)."""
     rows, n = out.shape[:2]
     grad = torch.empty((rows, n), dtype=torch.float32)
-    grad_eps = torch.zeros((rows,), dtype=torch.float32)
-    _check(out, grad_out, valid, x, y, m_act, rest_on, eps)
-    failed = library().soft_topk_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(x), _ptr(y), _ptr(m_act),
-                                 _ptr(rest_on), _ptr(eps), _ptr(grad), _ptr(grad_eps), rows, n, k, y.shape[-1],
-                                 int(sorted), torch.get_num_threads())
+    _check(out, grad_out, valid, y, m_act, rest_on, eps)
+    failed = library().soft_topk_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(y), _ptr(m_act), _ptr(rest_on),
+                                          _ptr(eps), _ptr(grad), rows, n, k, y.shape[-1], int(sorted),
+                                          torch.get_num_threads())
     if failed:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return grad, grad_eps
+    return grad
 
 
 def _check(*tensors) -> None:
     """The C code reads raw pointers: contiguous CPU tensors of the dtypes it expects, or None."""
     for t in tensors:
-        if t is not None:
-            assert t.device.type == "cpu" and t.is_contiguous(), "cpu_kernels: contiguous CPU tensors only"
-            assert t.dtype in (torch.float32, torch.int32, torch.bool), f"cpu_kernels: unexpected {t.dtype}"
+        if t is None:
+            continue
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"cpu_kernels: needs contiguous CPU tensors, got one on {t.device}")
+        if t.dtype not in (torch.float32, torch.int32, torch.bool):
+            raise ValueError(f"cpu_kernels: computes in float32, got a {t.dtype} tensor (use backend='torch')")

@@ -32,18 +32,16 @@ is all zeros. NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``epsilon <= 0`` a
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
 import math
-import os
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from softtopk_fairseq.ops import backward as _backward
-from softtopk_fairseq.ops import cpu_kernels, solvers
+from softtopk_fairseq.ops import backends, solvers
 
 METHODS = ("newton", "sinkhorn")
-BACKENDS = ("auto", "torch", "triton", "cpu")
+BACKENDS = backends.NAMES
 SCALINGS = ("none", "paper")
 DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 DEFAULT_MAX_ITER = {"newton": 50, "sinkhorn": 200}
@@ -58,33 +56,18 @@ class SolverInfo(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The op on 2-D (rows, n) tensors, registered with torch.library so torch.compile sees one opaque node.
+# The op on 2-D (rows, n) tensors, registered with torch.library so torch.compile sees one opaque node. Which
+# backend computes it (backends.py) is chosen once per call; the op itself never asks which one it holds.
 # --------------------------------------------------------------------------------------------------------
 
 
-def _selection_top(x: Tensor, valid: Tensor, n_valid: Tensor, all_valid: bool, k: int,
-                   kernels) -> Tuple[Tensor, Tensor]:
+def _selection_top(impl: backends.Backend, x: Tensor, valid: Tensor, n_valid: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """The row's k+1 largest valid scores in decreasing order (``-inf`` past the valid ones; a NaN or +inf
     comes first), and the centre x_(k), the k-th largest valid score (0 for empty rows)."""
-    kk = min(k + 1, x.shape[-1])
-    if kernels is cpu_kernels:
-        top = cpu_kernels.row_top(x.contiguous(), None if all_valid else valid.contiguous(), kk)
-    else:
-        xv = torch.where(valid, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device))
-        top = torch.topk(xv, kk, dim=-1).values
+    top = impl.row_top(x, valid, min(k + 1, x.shape[-1]))
     kth = (n_valid.clamp(max=k) - 1).clamp_min(0).unsqueeze(-1)
     centre = top.gather(-1, kth).squeeze(-1)
     return top, torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
-
-
-def _normalise(v: Tensor, centre: Tensor, eps: Tensor, bound: float) -> Tensor:
-    """u = (v - x_(k)) / eps, clamped to +-bound.
-
-    Centring at the selection boundary (not at the maximum) keeps the logits u_i y_l + h_l of the
-    elements that matter -- those near the boundary -- small, so float32 does not lose them to
-    cancellation. The clamp keeps far-away elements (saturated anyway) from overflowing.
-    """
-    return ((v - centre.unsqueeze(-1)) / eps.unsqueeze(-1)).clamp(-bound, bound)
 
 
 def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:
@@ -99,87 +82,29 @@ def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:
                          "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
 
 
-def _fused_inputs(x: Tensor, valid: Tensor, c: Tensor, mp: int, u_top: Tensor):
-    """Per-row inputs of the fused forwards, anchor axis padded to ``mp``: shifted initial thresholds
-    ``tz[l] = t_{l-1}`` (from the normalised top scores ``u_top``), their log-c shift, target masses and
-    number of active anchors."""
-    rows, m = c.shape
-    t = solvers.initial_thresholds(x, valid, c, u_top)  # given u_top, only x's shape and dtype are read
-    tz = x.new_zeros(rows, mp)
-    tz[:, 1:m] = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-    shift = x.new_zeros(rows, mp)
-    shift[:, 1:m] = solvers.log_mass_shift(c)
-    c_pad = x.new_zeros(rows, mp)
-    c_pad[:, :m] = c
-    m_act = (c > 0).sum(-1).to(torch.int32)
-    return tz, shift, c_pad, m_act
-
-
-def _fused_kernels(x: Tensor, method: str, backend: str, sorted: bool):
-    """The module of fused kernels (``triton_kernels`` or ``cpu_kernels``) that runs this call, or None for
-    the PyTorch path. ``auto`` on CPU fuses the sorted operator only: for the unsorted one the PyTorch
-    path's scalar root per row (``solvers.newton_sigmoid_root``) is as fast (docs/results.md)."""
-    if backend == "torch" or method != "newton":
-        return None
-    if backend == "triton":
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("soft_topk: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1, for tests)")
-        from softtopk_fairseq.ops import triton_kernels
-        return triton_kernels
-    if backend == "cpu":
-        if x.device.type != "cpu":
-            raise ValueError("soft_topk: backend='cpu' needs CPU tensors")
-        cpu_kernels.library()  # raises with the compiler's message when it cannot be built
-        return cpu_kernels
-    if x.dtype != torch.float32:
-        return None
-    if x.is_cuda:
-        if not _triton_available():
-            return None
-        from softtopk_fairseq.ops import triton_kernels
-        return triton_kernels
-    return cpu_kernels if sorted and x.device.type == "cpu" and cpu_kernels.available() else None
-
-
-def _triton_available() -> bool:
+def _with_fallback(backend: str, impl: backends.Backend, call):
+    """``call(impl)``; when a fused kernel fails to build or launch under ``backend="auto"``, warn once and
+    run ``call`` on the PyTorch path instead (a backend named explicitly raises)."""
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return call(impl)
+    except backends.KernelError as e:
+        if backend != "auto":
+            raise
+        return call(backends.fall_back(impl, str(e)))
 
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
 def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                   method: str, backend: str) -> Tuple[Tensor, Tensor]:
+    impl = backends.select(x, method, backend, sorted)
     n_valid = valid.sum(-1)
     all_valid = bool((n_valid == x.shape[-1]).all())
-    kernels = _fused_kernels(x, method, backend, sorted)
-    if kernels is not None and x.dtype != torch.float32:
-        raise ValueError(f"soft_topk: the fused kernels (backend={backend!r}) compute in float32; "
-                         "use backend='torch' for float64")
-    top, centre = _selection_top(x, valid, n_valid, all_valid, k, kernels)
+    top, centre = _selection_top(impl, x, valid, n_valid, k)
     _check_scores(x, top, all_valid)
     bound = torch.finfo(x.dtype).max / (8.0 * (k + 2))
-    u_top = torch.where(torch.isfinite(top), _normalise(top, centre, eps, bound), top)  # the same bits as u's
-    y, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
-    if kernels is not None:
-        tz, shift, c_pad, m_act = _fused_inputs(x, valid, c, kernels.padded_anchors(c.shape[-1]), u_top)
-        mask = None if all_valid else valid.contiguous()
-        if kernels is cpu_kernels:  # it normalises the scores itself: no pass over them here
-            return kernels.forward(x.contiguous(), mask, centre.contiguous(), eps.contiguous(), bound, tz, shift,
-                                   c_pad, m_act, k, sorted, tol, max_iter)
-    u = _normalise(x, centre, eps, bound).masked_fill_(~valid, 0.0)
-    if kernels is not None:
-        return kernels.forward(u.contiguous(), mask, tz, shift, c_pad, m_act, k, sorted, tol, max_iter)
-    if method == "newton" and not sorted:
-        return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, u_top)
-    if method == "newton":
-        p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter, top=u_top)
-    else:
-        p, info = solvers.sinkhorn(u, valid, y, c, max_iter, tol if tol > 0 else None)
-    out = p[:, :k].transpose(-1, -2) if sorted else p[:, 0]
-    return out.contiguous(), info
+    u_top = torch.where(torch.isfinite(top), solvers.normalise_scores(top, centre, eps, bound), top)  # = u's bits
+    return _with_fallback(backend, impl, lambda b: b.forward(x, valid, all_valid, centre, eps, bound, u_top, k,
+                                                             sorted, tol, max_iter, method))
 
 
 @_soft_topk_op.register_fake
@@ -188,40 +113,22 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
 
+def temperature_grad(grad_x: Tensor, x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
+    """dL/deps (rows,) from dL/dx: the output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps
+    (any shift of x cancels, since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate)."""
+    xc = torch.where(valid, x, torch.zeros_like(x))
+    xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+    return -(grad_x * torch.where(valid, xc, torch.zeros_like(xc))).sum(-1) / eps
+
+
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
                            sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
-    kernels = _fused_kernels(x, "newton", backend, sorted)
-    if kernels is not None:
-        n_valid = valid.sum(-1)
-        y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
-        mp = kernels.padded_anchors(c.shape[-1])
-        y_pad = out.new_zeros(mp)
-        y_pad[: y.shape[0]] = y
-        m_act = (c > 0).sum(-1).to(torch.int32)
-        rest_on = (c[:, -1] > 0).to(torch.int32)
-        mask = None if bool((n_valid == valid.shape[-1]).all()) else valid.contiguous()
-        args = (out.contiguous(), grad_out.contiguous(), mask, y_pad, m_act, rest_on, eps.contiguous(), k, sorted)
-        if kernels is cpu_kernels:  # dL/deps in the kernel too
-            return kernels.backward(*args, x=x.contiguous() if eps_grad else None)
-        grad_x = kernels.backward(*args)
-    elif not sorted:
-        grad_x = _backward.sigmoid_grad(out, grad_out, valid) / eps.unsqueeze(-1)
-    else:
-        y, c = solvers.anchor_targets(valid.sum(-1), k, True, out.dtype)
-        vf = valid.to(out.dtype)
-        taken = out.transpose(-1, -2) * vf.unsqueeze(-2)                 # (rows, k, n)
-        rest = (1 - taken.sum(-2)).clamp_min(0) * vf * (c[:, -1:] > 0).to(out.dtype)
-        grad_u = _backward.implicit_grad(taken, rest, grad_out.transpose(-1, -2), y, c)
-        grad_x = torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
-    if not eps_grad:  # a constant temperature (scaling="none"): skip the passes below
+    impl = backends.select(x, "newton", backend, sorted)
+    grad_x = _with_fallback(backend, impl, lambda b: b.backward(grad_out, out, valid, eps, k, sorted))
+    if not eps_grad:  # a constant temperature (scaling="none"): no dL/deps to form
         return grad_x, torch.zeros_like(eps)
-    # The output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps (any shift of x cancels,
-    # since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate).
-    xc = torch.where(valid, x, torch.zeros_like(x))
-    xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
-    grad_eps = -(grad_x * torch.where(valid, xc, torch.zeros_like(xc))).sum(-1) / eps
-    return grad_x, grad_eps
+    return grad_x, temperature_grad(grad_x, x, valid, eps)
 
 
 @_soft_topk_backward_op.register_fake
@@ -302,12 +209,16 @@ def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: b
 
 
 def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
-                      largest: bool = True, scaling: str = "none") -> Tensor:
+                      largest: bool = True, scaling: str = "none", mask: Optional[Tensor] = None) -> Tensor:
     """The temperature, in score units, that :func:`soft_topk` uses for each row (shape of ``scores``
-    without ``dim``): ``epsilon`` itself, or with ``scaling="paper"`` ``epsilon * max_cost / 2`` of the row.
-    Callers that reason about the solution (e.g. bounds on pruned candidates) need it."""
-    x = scores.detach().movedim(dim, -1)
+    without ``dim``): ``epsilon`` itself, or with ``scaling="paper"`` ``epsilon * max_cost / 2`` of the row
+    (over its valid entries: not ``-inf`` -- ``+inf`` with ``largest=False`` -- and not masked).
+    Differentiable in ``scores`` (``detach`` it for bounds); ``softmax_k_times`` uses it for its temperature
+    and callers that reason about the solution (e.g. bounds on pruned candidates) need it."""
+    x = scores.movedim(dim, -1)
     valid = x != (-torch.inf if largest else torch.inf)
+    if mask is not None:
+        valid = valid & mask.expand(scores.shape).movedim(dim, -1)
     if not largest:
         x = -x
     rows = x.reshape(-1, x.shape[-1])

@@ -17,9 +17,13 @@
 
 #define BLOCK 256
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
-#define LOGIT_CLAMP 64.0f   /* solvers.LOGIT_CLAMP */
-#define MAX_STEP 2.0        /* solvers.MAX_STEP: trust region on the potentials */
-#define NEAR_FLOOR 1e-4     /* solvers.NEAR_FLOOR */
+/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS) are defined once,
+ * in solvers.KERNEL_CONSTANTS, and handed to this file as -D flags by cpu_kernels.py. */
+#if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
+    || !defined(RIDGE_ULPS)
+#error "compile with the -D flags of cpu_kernels.py (solvers.KERNEL_CONSTANTS)"
+#endif
+#define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
 #define FLT_EPS 1.1920928955078125e-07
 
 /* e^x for x <= 0: Cephes' expf polynomial (about 1 ulp), written so that gcc vectorises the loops that
@@ -54,7 +58,7 @@ static void plan_block(const float *restrict u, const float *restrict wv, int nb
         float *cur = pl + l * BLOCK;
         for (int j = 0; j < nb; j++) {
             float d = t - u[j];
-            d = d < -LOGIT_CLAMP ? -LOGIT_CLAMP : (d > LOGIT_CLAMP ? LOGIT_CLAMP : d);
+            d = d < -LOGIT_CLAMP_F ? -LOGIT_CLAMP_F : (d > LOGIT_CLAMP_F ? LOGIT_CLAMP_F : d);
             cur[j] = prev[j] + d;
             zmax[j] = cur[j] > zmax[j] ? cur[j] : zmax[j];
         }
@@ -126,7 +130,7 @@ static void solve_free(const double *s, const double *ppt, const double *rhs, in
     if (f <= 0) return;
     double scale = 1.0;
     for (int l = 0; l < f; l++) scale = s[l] > scale ? s[l] : scale;
-    double ridge = 16 * FLT_EPS * scale;
+    double ridge = RIDGE_ULPS * FLT_EPS * scale;
     for (int r = 0; r < f; r++) {
         for (int q = 0; q < f; q++) {
             double pq = r <= q ? ppt[r * mp + q] : ppt[q * mp + r];
@@ -179,7 +183,7 @@ static void forward_row(const float *x, const uint8_t *valid, int64_t n, float c
     memcpy(tz, tz0, sizeof(float) * mp);
     double err = evaluate(u, wv, n, tz, ma, mp, c, s, ppt, w);
     /* Second starting point (thresholds shifted by log c), kept if it fits the masses better. */
-    if (err > 0.05) {
+    if (err > SECOND_START_ERROR) {
         for (int l = 0; l < mp; l++) tz_t[l] = tz[l] + shift[l];
         double err2 = evaluate(u, wv, n, tz_t, ma, mp, c, s_t, ppt_t, w);
         if (err2 < err) {
@@ -329,11 +333,9 @@ static void output_block(const float *out, const float *gout, const uint8_t *val
     }
 }
 
-/* dL/dx of one row; and, when x is given, dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps (the output depends
- * on x / eps only; centring keeps the sum accurate, since sum_i dL/dx_i = 0). */
-static void backward_row(const float *out, const float *gout, const uint8_t *valid, const float *x, int64_t n,
-                         int k, int sorted, const float *y, int ma, int rest_on, float eps, int mp, float *grad,
-                         float *grad_eps, workspace *w) {
+/* dL/dx of one row (dL/deps follows from it, in soft_topk.py). */
+static void backward_row(const float *out, const float *gout, const uint8_t *valid, int64_t n, int k, int sorted,
+                         const float *y, int ma, int rest_on, float eps, int mp, float *grad, workspace *w) {
     double *s = w->d;
     double *v = s + mp, *sol = v + mp, *ppt = sol + mp, *mat = ppt + mp * mp;
     memset(s, 0, sizeof(double) * (3 * mp + mp * mp));
@@ -376,22 +378,13 @@ static void backward_row(const float *out, const float *gout, const uint8_t *val
         for (int j = 0; j < nb; j++) gr[j] *= inv_eps;
     }
     if (wp != wl) free(wp);
-    if (x) {
-        double sum = 0.0, count = 0.0, acc = 0.0;
-        for (int64_t j = 0; j < n; j++)
-            if (valid == NULL || valid[j]) { sum += x[j]; count += 1.0; }
-        double mean = count > 0 ? sum / count : 0.0;
-        for (int64_t j = 0; j < n; j++)
-            if (valid == NULL || valid[j]) acc += (double)grad[j] * ((double)x[j] - mean);
-        *grad_eps = (float)(-acc / eps);
-    }
 }
 
 typedef struct {
-    const float *out, *gout, *x, *y, *eps;
+    const float *out, *gout, *y, *eps;
     const uint8_t *valid;
     const int32_t *m_act, *rest_on;
-    float *grad, *grad_eps;
+    float *grad;
     int64_t n;
     int k, mp, sorted;
 } backward_args;
@@ -399,15 +392,14 @@ typedef struct {
 static void backward_task(int64_t r, workspace *w, const void *ctx) {
     const backward_args *a = ctx;
     int64_t n = a->n, stride = a->sorted ? a->k : 1;
-    backward_row(a->out + r * n * stride, a->gout + r * n * stride, a->valid ? a->valid + r * n : NULL,
-                 a->x ? a->x + r * n : NULL, n, a->k, a->sorted, a->y, a->m_act[r], a->rest_on[r], a->eps[r], a->mp,
-                 a->grad + r * n, a->grad_eps + r, w);
+    backward_row(a->out + r * n * stride, a->gout + r * n * stride, a->valid ? a->valid + r * n : NULL, n, a->k,
+                 a->sorted, a->y, a->m_act[r], a->rest_on[r], a->eps[r], a->mp, a->grad + r * n, w);
 }
 
-int soft_topk_backward(const float *out, const float *gout, const uint8_t *valid, const float *x, const float *y,
-                       const int32_t *m_act, const int32_t *rest_on, const float *eps, float *grad,
-                       float *grad_eps, int64_t rows, int64_t n, int k, int mp, int sorted, int threads) {
-    backward_args a = {out, gout, x, y, eps, valid, m_act, rest_on, grad, grad_eps, n, k, mp, sorted};
+int soft_topk_backward(const float *out, const float *gout, const uint8_t *valid, const float *y,
+                       const int32_t *m_act, const int32_t *rest_on, const float *eps, float *grad, int64_t rows,
+                       int64_t n, int k, int mp, int sorted, int threads) {
+    backward_args a = {out, gout, y, eps, valid, m_act, rest_on, grad, n, k, mp, sorted};
     return parallel_rows(rows, n, mp, threads, backward_task, &a);
 }
 

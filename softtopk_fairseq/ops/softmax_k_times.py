@@ -19,23 +19,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops.soft_topk import _row_temperature
+from softtopk_fairseq.ops.soft_topk import effective_epsilon
 
 
-def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, temperature: float = 0.1,
+def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1,
                     mask: Optional[Tensor] = None, scaling: str = "none") -> Tensor:
     """Sorted top-k relaxed by ``k`` successive softmaxes; output ``scores.shape + (k,)`` (ranks last,
     ``dim`` keeps its place), ``A[..., i, l]`` = soft indicator that element ``i`` has rank ``l``.
 
-    ``temperature`` is in the units of the scores (``scaling="none"``), or the normalised epsilon of the
-    OT operator (``scaling="paper"``: the same per-row temperature as ``soft_topk``, differentiated like
+    ``epsilon`` is the temperature in the units of the scores (``scaling="none"``), or the normalised epsilon
+    of the OT operator (``scaling="paper"``: the same per-row temperature as ``soft_topk``, differentiated like
     there). A row with fewer than ``l + 1`` valid entries gets an all-zero rank-``l`` column (like
     ``soft_topk``'s degenerate rows).
     """
     if not scores.is_floating_point():
         raise TypeError(f"softmax_k_times: scores must be a float tensor, got {scores.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"softmax_k_times: temperature must be > 0, got {temperature}")
+    if not epsilon > 0:
+        raise ValueError(f"softmax_k_times: epsilon must be > 0, got {epsilon}")
     if scaling not in ("none", "paper"):
         raise ValueError(f"softmax_k_times: scaling must be 'none' or 'paper', got {scaling!r}")
     if bool(torch.isnan(scores).any()):
@@ -49,8 +49,7 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, temperature: float
     if mask is not None:
         valid = valid & mask.expand(scores.shape).movedim(dim, -1)
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    rows = compute.reshape(-1, n)
-    T = _row_temperature(rows, valid.reshape(rows.shape), k, temperature, True, scaling).reshape(x.shape[:-1])
+    T = effective_epsilon(compute, k, epsilon=epsilon, sorted=True, scaling=scaling, mask=valid)
     # -inf scores are zeroed before the division: d(x / T)/dT = -x / T^2 would be inf there, and inf * 0 = NaN.
     finite = torch.where(valid, compute, torch.zeros_like(compute))
     logits = torch.where(valid, finite / T.unsqueeze(-1), torch.full_like(compute, -torch.inf))

@@ -48,6 +48,26 @@ NEAR_FLOOR = 1e-4
 DIRECT_LOGITS_MAX_U = 16.0
 # Largest logit difference between consecutive anchors kept as is (see _plan): exp(-64) ~ 1.6e-28.
 LOGIT_CLAMP = 64.0
+# Marginal error of the hard-assignment start above which the log-c shifted start is tried too.
+SECOND_START_ERROR = 0.05
+# Ridge added to the Newton system, in units of the dtype's machine epsilon times the largest anchor mass.
+RIDGE_ULPS = 16.0
+
+# The solver constants the fused kernels share with this file: handed to the Triton kernels as constexpr
+# arguments and to the C kernels as -D flags (cpu_kernels.py), so that each is written once, here.
+KERNEL_CONSTANTS = {"LOGIT_CLAMP": LOGIT_CLAMP, "MAX_STEP": MAX_STEP, "NEAR_FLOOR": NEAR_FLOOR,
+                    "SECOND_START_ERROR": SECOND_START_ERROR, "RIDGE_ULPS": RIDGE_ULPS}
+
+
+def normalise_scores(x: Tensor, centre: Tensor, eps: Tensor, bound: float) -> Tensor:
+    """The normalised scores u = (x - centre) / eps of (rows, n) scores, per-row ``centre`` and ``eps``
+    (rows,), clamped to +-bound. (The fused kernels compute the same, bit for bit, as they stream x.)
+
+    Centring at the selection boundary (the k-th largest score, not the maximum) keeps the logits
+    u_i y_l + h_l of the elements that matter -- those near the boundary -- small, so float32 does not lose
+    them to cancellation. The clamp keeps far-away elements (saturated anyway) from overflowing.
+    """
+    return ((x - centre.unsqueeze(-1)) / eps.unsqueeze(-1)).clamp(-bound, bound)
 
 
 def centred_anchors(m: int, dtype: torch.dtype, device) -> Tensor:
@@ -165,7 +185,7 @@ def hessian_solve(p: Tensor, s: Tensor, free: Tensor, rhs: Tensor) -> Tensor:
     both = f.unsqueeze(-1) * f.unsqueeze(-2)
     eye = torch.eye(ppt.shape[-1], dtype=p.dtype, device=p.device)
     scale = (s * f).amax(dim=-1, keepdim=True).clamp_min(1).unsqueeze(-1)
-    ridge = 16 * torch.finfo(p.dtype).eps * scale
+    ridge = RIDGE_ULPS * torch.finfo(p.dtype).eps * scale
     mat = (torch.diag_embed(s) - ppt) * both + eye * (1 - f).unsqueeze(-1) + ridge * eye * f.unsqueeze(-1)
     w, info = torch.linalg.solve_ex(mat, (rhs * f).unsqueeze(-1))
     w = w.squeeze(-1) * f
@@ -221,7 +241,7 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
     # same with h shifted by log c (best when eps is large: then P_il ~ c_l). Each row keeps the better.
     t = initial_thresholds(u, valid, c, top)
     p, s, err = evaluate(t)
-    retry = err > 0.05  # the hard start is poor there: try the other one on those rows only
+    retry = err > SECOND_START_ERROR  # the hard start is poor there: try the other one on those rows only
     if bool(retry.any()):
         idx = retry.nonzero().squeeze(-1)
         t2 = t[idx] + log_mass_shift(c[idx])

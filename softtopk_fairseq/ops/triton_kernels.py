@@ -1,35 +1,43 @@
 """Fused Triton kernels for SOFT top-k on CUDA tensors: the whole Newton solve in one launch, and the
-closed-form backward in one more. The math is the one of ``solvers.py`` / ``backward.py`` (same threshold
-parameterisation, same damping rule, same Hessian); only the schedule differs:
+closed-form backward in one more. The math is the one of ``solvers.py`` / ``backward.py`` and the schedule
+the one of the C kernels (``soft_topk_cpu.c``): same threshold parameterisation, same two starting points,
+same damping rule (trust region of ``MAX_STEP`` on the potentials, then halving, accepted when the marginal
+error drops), same Hessian and ridge. The solver constants are ``solvers.KERNEL_CONSTANTS``, passed in as
+constexpr arguments (never restated here).
 
 * forward: one program per row keeps the thresholds (anchor axis padded to ``MP``), the anchor masses
-  ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each evaluation streams the row's scores once in
-  blocks of ``BLOCK_N`` (the plan is never stored); the ``m x m`` Newton system is solved in registers
-  by Gauss-Jordan elimination. A last pass writes the output.
+  ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each evaluation streams the row's raw scores once
+  in blocks of ``BLOCK_N``, normalising them on the fly as ``clamp((x - centre) / eps, +-bound)`` (the plan
+  is never stored); the ``m x m`` Newton system is solved in registers by Gauss-Jordan elimination. A last
+  pass writes the output.
 * backward: two streaming passes per row -- one accumulates ``v`` and ``M``, one writes the gradient.
 
-Inputs prepared by the launcher (``soft_topk.py``): ``u`` (rows, n) float32, the validity mask, the
-initial shifted thresholds ``tz[l] = t_{l-1}`` (l = 1..m-1), the per-row target masses ``c`` and number of
-active anchors. Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
+Inputs prepared by ``backends.FusedBackend`` (the same as the C kernels'): the scores ``x`` (rows, n)
+float32, the validity mask, per-row centre and temperature, the initial shifted thresholds
+``tz[l] = t_{l-1}`` (l = 1..m-1), their log-c shift, the per-row target masses ``c`` and number of active
+anchors. Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
 (``TRITON_INTERPRET=1``) runs it on CPU tensors for the tests.
 """
 import torch
 import triton
 import triton.language as tl
 
-LOGIT_CLAMP = tl.constexpr(64.0)  # same value as solvers.LOGIT_CLAMP
-
+from softtopk_fairseq.ops.launch import ensure_contiguous
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS
 
 @triton.jit
-def _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK: tl.constexpr, MP: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+def _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK: tl.constexpr,
+               MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
     """P tile (BLOCK_N, MP) of elements start..start+BLOCK_N of ``row``; zero rows where invalid."""
     offs_n = start + tl.arange(0, BLOCK_N)
     in_row = offs_n < n
-    u = tl.load(u_ptr + row * n + offs_n, mask=in_row, other=0.0)
     keep = in_row
     if HAS_MASK:
         keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=in_row, other=0) != 0)
+    x = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
+    # Rounded division, as in soft_topk._normalise: the same u, bit for bit, as the other backends.
+    u = tl.minimum(tl.maximum(tl.div_rn(x - centre, eps), -bound), bound)
+    u = tl.where(keep, u, 0.0)
     lane = tl.arange(0, MP)
     # z_l = sum_{j < l} (t_j - u): running sum of the clamped, shifted differences tz[l] - u.
     d = tz[None, :] - u[:, None]
@@ -45,13 +53,14 @@ def _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK: tl.constexp
 
 
 @triton.jit
-def _evaluate(u_ptr, valid_ptr, row, n, tz, m_act, c, HAS_MASK: tl.constexpr, MP: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK: tl.constexpr,
+              MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
     """Anchor masses s (MP,), P P^T (MP, MP) and the max relative marginal error for thresholds tz."""
     s = tl.zeros((MP,), dtype=tl.float32)
     ppt = tl.zeros((MP, MP), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
-        p = _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK, MP, BLOCK_N)
+        p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
+                       LOGIT_CLAMP)
         s += tl.sum(p, axis=0)
         ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
     lane = tl.arange(0, MP)
@@ -60,7 +69,7 @@ def _evaluate(u_ptr, valid_ptr, row, n, tz, m_act, c, HAS_MASK: tl.constexpr, MP
 
 
 @triton.jit
-def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr):
+def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     """Solve (diag(s) - P P^T) x = rhs on the free anchors (active, not the pinned last one); x = 0 elsewhere."""
     lane = tl.arange(0, MP)
     ri = lane[:, None]
@@ -68,7 +77,7 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr):
     free_r = lane < (m_act - 1)
     free2 = (ri < (m_act - 1)) & (ci < (m_act - 1))
     scale = tl.maximum(tl.max(tl.where(free_r, s, 0.0), axis=0), 1.0)
-    ridge = 16 * 1.1920928955078125e-07 * scale
+    ridge = RIDGE_ULPS * 1.1920928955078125e-07 * scale
     a = tl.where(ri == ci, s[:, None], 0.0) - ppt
     a = tl.where(free2, a, 0.0) + tl.where((ri == ci) & free2, ridge, 0.0) + tl.where((ri == ci) & ~free2, 1.0, 0.0)
     x = tl.where(free_r, rhs, 0.0)
@@ -84,36 +93,43 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr):
 
 
 @triton.jit
-def soft_topk_forward_kernel(u_ptr, valid_ptr, tz_ptr, shift_ptr, c_ptr, mact_ptr, out_ptr, info_ptr,
-                             n, k, tol, max_iter, max_halvings,
-                             HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+def soft_topk_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bound, tz_ptr, shift_ptr, c_ptr, mact_ptr,
+                             out_ptr, info_ptr, n, k, tol, max_iter, max_halvings,
+                             HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                             LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
+                             SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
     m_act = tl.load(mact_ptr + row)
+    centre = tl.load(centre_ptr + row)
+    eps = tl.load(eps_ptr + row)
     c = tl.load(c_ptr + row * MP + lane)
     tz = tl.load(tz_ptr + row * MP + lane)
-    s, ppt, err = _evaluate(u_ptr, valid_ptr, row, n, tz, m_act, c, HAS_MASK, MP, BLOCK_N)
+    s, ppt, err = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK, MP, BLOCK_N,
+                            LOGIT_CLAMP)
     # Second starting point (thresholds shifted by log c): kept if it fits the masses better.
-    if err > 0.05:
+    if err > SECOND_START_ERROR:
         tz2 = tz + tl.load(shift_ptr + row * MP + lane)
-        s2, ppt2, err2 = _evaluate(u_ptr, valid_ptr, row, n, tz2, m_act, c, HAS_MASK, MP, BLOCK_N)
+        s2, ppt2, err2 = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz2, m_act, c, HAS_MASK, MP,
+                                   BLOCK_N, LOGIT_CLAMP)
         if err2 < err:
             tz, s, ppt, err = tz2, s2, ppt2, err2
     it = tl.full((), 0, tl.int32)
     going = err > tol
     while going & (it < max_iter):
-        dh = _solve_free(s, ppt, c - s, m_act, MP)
+        dh = _solve_free(s, ppt, c - s, m_act, MP, RIDGE_ULPS)
+        # Trust region: no potential moves by more than MAX_STEP in one step (solvers.newton_semi_dual).
+        alpha = MAX_STEP / tl.maximum(tl.max(tl.abs(dh), axis=0), MAX_STEP)
         # dt_l = dh_{l+1} - dh_l, stored shifted: dtz[l] = dh_l - dh_{l-1}.
         dh_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, dh[None, :], 0.0), axis=1)
         dtz = tl.where((lane >= 1) & (lane < m_act), dh - dh_prev, 0.0)
-        alpha = tl.full((), 1.0, tl.float32)
         tries = tl.full((), 0, tl.int32)
         accepted = tl.full((), 0, tl.int32)
-        # Near convergence (error < 1e-4, NEAR_FLOOR in solvers.py), two failed halvings mean a rounding floor.
-        while (accepted == 0) & (tries < max_halvings) & ((err >= 1e-4) | (tries < 2)):
+        # Near convergence (error < NEAR_FLOOR), two failed halvings mean a rounding floor.
+        while (accepted == 0) & (tries < max_halvings) & ((err >= NEAR_FLOOR) | (tries < 2)):
             tz_t = tz + alpha * dtz
-            s_t, ppt_t, err_t = _evaluate(u_ptr, valid_ptr, row, n, tz_t, m_act, c, HAS_MASK, MP, BLOCK_N)
+            s_t, ppt_t, err_t = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz_t, m_act, c,
+                                          HAS_MASK, MP, BLOCK_N, LOGIT_CLAMP)
             take = (err_t < err) | (err_t <= tol)
             tz = tl.where(take, tz_t, tz)
             s = tl.where(take, s_t, s)
@@ -127,7 +143,8 @@ def soft_topk_forward_kernel(u_ptr, valid_ptr, tz_ptr, shift_ptr, c_ptr, mact_pt
     tl.store(info_ptr + row * 2, it.to(tl.float32))
     tl.store(info_ptr + row * 2 + 1, err)
     for start in range(0, n, BLOCK_N):
-        p = _plan_tile(u_ptr, valid_ptr, row, n, start, tz, m_act, HAS_MASK, MP, BLOCK_N)
+        p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
+                       LOGIT_CLAMP)
         offs_n = start + tl.arange(0, BLOCK_N)
         if SORTED:
             ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
@@ -166,7 +183,7 @@ def _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK:
 @triton.jit
 def soft_topk_backward_kernel(out_ptr, g_ptr, valid_ptr, y_ptr, mact_ptr, restc_ptr, eps_ptr, grad_ptr,
                               n, k, HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr,
-                              BLOCK_N: tl.constexpr):
+                              BLOCK_N: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
     m_act = tl.load(mact_ptr + row)
@@ -182,7 +199,7 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, valid_ptr, y_ptr, mact_ptr, restc_
         v += tl.sum(p * (g - g_bar[:, None]), axis=0)
         s += tl.sum(p, axis=0)
         ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
-    w = _solve_free(s, ppt, v, m_act, MP)
+    w = _solve_free(s, ppt, v, m_act, MP, RIDGE_ULPS)
     inv_eps = 1.0 / tl.load(eps_ptr + row)
     for start in range(0, n, BLOCK_N):
         p, g, keep = _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, SORTED,
@@ -202,26 +219,33 @@ def block_n(n: int, mp: int) -> int:
     return max(16, min(triton.next_power_of_2(n), 16384 // (mp * mp)))
 
 
-def forward(u, valid, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8):
-    """Launch the fused forward. Shapes: u, valid (rows, n); tz, shift, c (rows, MP); m_act (rows,)."""
-    rows, n = u.shape
+@ensure_contiguous
+def forward(x, valid, centre, eps, bound, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8,
+            block=None, num_warps=4):
+    """Launch the fused forward (the same arguments as ``cpu_kernels.forward``). Shapes: x, valid (rows, n);
+    centre, eps (rows,); tz, shift, c (rows, MP); m_act (rows,) int32. ``block``/``num_warps``: launch
+    parameters (default: :func:`block_n`, 4 warps)."""
+    rows, n = x.shape
     mp = tz.shape[-1]
-    out = torch.empty((rows, n, k) if sorted else (rows, n), dtype=torch.float32, device=u.device)
-    info = torch.empty((rows, 2), dtype=torch.float32, device=u.device)
+    out = torch.empty((rows, n, k) if sorted else (rows, n), dtype=torch.float32, device=x.device)
+    info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     has_mask = valid is not None
     soft_topk_forward_kernel[(rows,)](
-        u, valid if has_mask else u, tz, shift, c, m_act, out, info, n, k, float(tol), int(max_iter),
-        int(max_halvings), HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block_n(n, mp))
+        x, valid if has_mask else x, centre, eps, float(bound), tz, shift, c, m_act, out, info, n, k, float(tol),
+        int(max_iter), int(max_halvings), HAS_MASK=has_mask, SORTED=sorted, MP=mp,
+        BLOCK_N=block or block_n(n, mp), num_warps=num_warps, **KERNEL_CONSTANTS)
     return out, info
 
 
-def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
-    """Launch the fused backward; returns dL/dx (rows, n) for the normalised problem divided by eps."""
+@ensure_contiguous
+def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted, block=None, num_warps=4):
+    """Launch the fused backward (the same arguments as ``cpu_kernels.backward``); returns dL/dx (rows, n)."""
     rows, n = valid.shape if valid is not None else out.shape[:2]
     mp = y.shape[-1]
     grad = torch.empty((rows, n), dtype=torch.float32, device=out.device)
     has_mask = valid is not None
     soft_topk_backward_kernel[(rows,)](
         out, grad_out, valid if has_mask else out, y, m_act, rest_on, eps, grad, n, k,
-        HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block_n(n, mp))
+        HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block or block_n(n, mp), num_warps=num_warps,
+        RIDGE_ULPS=KERNEL_CONSTANTS["RIDGE_ULPS"])
     return grad

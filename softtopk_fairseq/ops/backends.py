@@ -1,0 +1,221 @@
+"""The backends of ``soft_topk``'s op: one interface, chosen once per call (:func:`select`).
+
+* :class:`Backend` -- the PyTorch path (``backend="torch"``): any device, float32 or float64, Newton or
+  Sinkhorn. The reference the fused backends are tested against.
+* :class:`FusedBackend` -- the same Newton solve and closed-form backward in two kernel launches, on the
+  raw scores; subclasses only name their kernel module and when they can run:
+  :class:`CpuBackend` (``cpu_kernels``, C, CPU tensors) and :class:`TritonBackend` (``triton_kernels``,
+  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` for the tests).
+
+Every backend has the same two methods, ``forward(...) -> (out, info)`` and
+``backward(...) -> grad_x``; ``soft_topk.py`` keeps the definition, validation, dL/d(epsilon) (from
+``grad_x``, once for all backends) and the custom-op registration, and never asks which backend it holds.
+
+``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU for the sorted operator
+(for the unsorted one the PyTorch scalar root is as fast, docs/results.md) -- else the PyTorch path. When
+the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
+``auto`` warns once, saying why, and uses the PyTorch path; a backend named explicitly raises instead.
+"""
+import os
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from softtopk_fairseq.ops import backward as implicit_backward
+from softtopk_fairseq.ops import cpu_kernels, solvers
+
+NAMES = ("auto", "torch", "triton", "cpu")
+
+
+class KernelError(RuntimeError):
+    """A fused kernel could not be built or launched (the message says why)."""
+
+
+class Backend:
+    """The PyTorch path; the base class whose hooks the fused backends override."""
+
+    name = "torch"
+
+    def row_top(self, x: Tensor, valid: Tensor, kk: int) -> Tensor:
+        """The ``kk`` largest valid scores of each row, decreasing; ``-inf`` past the valid ones, NaN first."""
+        xv = torch.where(valid, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device))
+        return torch.topk(xv, kk, dim=-1).values
+
+    def forward(self, x: Tensor, valid: Tensor, all_valid: bool, centre: Tensor, eps: Tensor, bound: float,
+                u_top: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
+                method: str) -> Tuple[Tensor, Tensor]:
+        """The operator's output ((rows, n, k) sorted, (rows, n) not) and info (rows, 2) = iterations,
+        marginal error, for (rows, n) scores ``x`` normalised per row by ``centre`` and ``eps``;
+        ``u_top``: the normalised top-(k+1) valid scores (starting thresholds)."""
+        u = solvers.normalise_scores(x, centre, eps, bound).masked_fill_(~valid, 0.0)
+        if method == "newton" and not sorted:
+            return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, u_top)
+        y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, x.dtype)
+        if method == "newton":
+            p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter, top=u_top)
+        else:
+            p, info = solvers.sinkhorn(u, valid, y, c, max_iter, tol if tol > 0 else None)
+        out = p[:, :k].transpose(-1, -2) if sorted else p[:, 0]
+        return out.contiguous(), info
+
+    def backward(self, grad_out: Tensor, out: Tensor, valid: Tensor, eps: Tensor, k: int,
+                 sorted: bool) -> Tensor:
+        """dL/dx (rows, n) from the output alone (App. H): the plan is rebuilt from ``out``."""
+        if not sorted:
+            return implicit_backward.sigmoid_grad(out, grad_out, valid) / eps.unsqueeze(-1)
+        y, c = solvers.anchor_targets(valid.sum(-1), k, True, out.dtype)
+        vf = valid.to(out.dtype)
+        taken = out.transpose(-1, -2) * vf.unsqueeze(-2)                 # (rows, k, n)
+        rest = (1 - taken.sum(-2)).clamp_min(0) * vf * (c[:, -1:] > 0).to(out.dtype)
+        grad_u = implicit_backward.implicit_grad(taken, rest, grad_out.transpose(-1, -2), y, c)
+        return torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
+
+
+class FusedBackend(Backend):
+    """Newton forward and closed-form backward in one kernel launch each. Subclasses set ``kernels`` (a
+    module with ``padded_anchors``, ``forward`` and ``backward`` of one signature) and say where they run."""
+
+    kernels = None
+
+    def usable(self) -> Optional[str]:
+        """None when the kernels can run here, else why not."""
+        return None
+
+    def runs_on(self, x: Tensor) -> Optional[str]:
+        """None when the kernels take tensors like ``x``, else why not."""
+        return None
+
+    def auto_device(self, x: Tensor) -> bool:
+        """Whether ``backend="auto"`` picks this backend for tensors like ``x`` (float32 ones)."""
+        return False
+
+    def forward(self, x, valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method):
+        n_valid = valid.sum(-1)
+        _, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
+        rows, m = c.shape
+        mp = self.kernels.padded_anchors(m)
+        # Starting thresholds from the normalised top scores (x is read only for its shape and dtype).
+        t = solvers.initial_thresholds(x, valid, c, u_top)
+        tz = x.new_zeros(rows, mp)  # shifted: tz[l] = t_{l-1}
+        tz[:, 1:m] = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+        shift = x.new_zeros(rows, mp)
+        shift[:, 1:m] = solvers.log_mass_shift(c)
+        c_pad = x.new_zeros(rows, mp)
+        c_pad[:, :m] = c
+        m_act = (c > 0).sum(-1).to(torch.int32)
+        return self._launch(self.kernels.forward, x, None if all_valid else valid, centre, eps, bound, tz, shift,
+                            c_pad, m_act, k, sorted, tol, max_iter)
+
+    def backward(self, grad_out, out, valid, eps, k, sorted):
+        n_valid = valid.sum(-1)
+        y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
+        y_pad = out.new_zeros(self.kernels.padded_anchors(c.shape[-1]))
+        y_pad[: y.shape[0]] = y
+        m_act = (c > 0).sum(-1).to(torch.int32)
+        rest_on = (c[:, -1] > 0).to(torch.int32)
+        mask = None if bool((n_valid == valid.shape[-1]).all()) else valid
+        return self._launch(self.kernels.backward, out, grad_out, mask, y_pad, m_act, rest_on, eps, k, sorted)
+
+    def _launch(self, fn, *args):
+        return fn(*args)
+
+
+class CpuBackend(FusedBackend):
+    """The C kernels (``soft_topk_cpu.c``), compiled on first use; CPU tensors."""
+
+    name = "cpu"
+    kernels = cpu_kernels
+
+    def usable(self):
+        try:
+            cpu_kernels.library()
+        except RuntimeError as e:  # no compiler, or it failed: the message says which
+            return str(e).removeprefix("soft_topk: ")
+        return None
+
+    def runs_on(self, x):
+        return None if x.device.type == "cpu" else f"backend='cpu' needs CPU tensors, got {x.device}"
+
+    def auto_device(self, x):
+        return x.device.type == "cpu"
+
+    def row_top(self, x, valid, kk):
+        return cpu_kernels.row_top(x, valid, kk)
+
+
+class TritonBackend(FusedBackend):
+    """The Triton kernels (``triton_kernels.py``); CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    @property
+    def kernels(self):
+        from softtopk_fairseq.ops import triton_kernels  # imports triton: only when this backend runs
+        return triton_kernels
+
+    def usable(self):
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not installed ({e}); pip install triton"
+        return None
+
+    def runs_on(self, x):
+        if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1, for tests), got {x.device}"
+
+    def auto_device(self, x):
+        return x.is_cuda
+
+    def _launch(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # compilation (ptxas, out of resources) or driver errors
+            raise KernelError(f"the Triton kernel {fn.__name__} failed: {type(e).__name__}: {e}") from e
+
+
+TORCH = Backend()
+CPU = CpuBackend()
+TRITON = TritonBackend()
+FUSED = {"cpu": CPU, "triton": TRITON}
+_disabled = {}  # fused backend -> why auto no longer picks it (warned once)
+
+
+def fall_back(impl: FusedBackend, why: str) -> Backend:
+    """Stop ``auto`` from picking ``impl`` in this process, warn once saying why; returns the PyTorch path."""
+    if impl not in _disabled:
+        _disabled[impl] = why
+        warnings.warn(f"soft_topk: the fused {impl.name} kernels are not used ({why}); falling back to the "
+                      "PyTorch solver (backend='torch')", RuntimeWarning, stacklevel=3)
+    return TORCH
+
+
+def select(x: Tensor, method: str, backend: str, sorted: bool) -> Backend:
+    """The backend that runs this call; raises ValueError / KernelError when a named one cannot."""
+    if backend == "torch" or method != "newton":
+        return TORCH
+    if backend in FUSED:
+        impl = FUSED[backend]
+        why = impl.runs_on(x)
+        if why is not None:
+            raise ValueError(f"soft_topk: {why}")
+        why = impl.usable()
+        if why is not None:
+            raise KernelError(f"soft_topk: backend={backend!r} cannot run: {why}")
+        if x.dtype != torch.float32:
+            raise ValueError(f"soft_topk: the fused kernels (backend={backend!r}) compute in float32, got "
+                             f"{x.dtype}; use backend='torch' for float64")
+        return impl
+    if x.dtype != torch.float32:
+        return TORCH
+    for impl in (TRITON, CPU):
+        if not impl.auto_device(x) or impl in _disabled:
+            continue
+        if impl is CPU and not sorted:  # the PyTorch scalar root per row is as fast (docs/results.md)
+            return TORCH
+        why = impl.usable()
+        return impl if why is None else fall_back(impl, why)
+    return TORCH
