@@ -1,16 +1,51 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment in .venv with pinned dependencies.
 #
-# Order matters: torch first (the local CPU build, pinned so nothing can replace it), then the build
-# dependencies, then fairseq-fixed compiled against that torch (--no-build-isolation), then the rest.
-# Idempotent: when constraints.txt, setup.cfg and this script are unchanged since the last successful
-# run, it returns in well under a second.
+# Order matters: torch first (pinned so nothing can replace it), then the build dependencies, then
+# fairseq-fixed compiled against that torch (--no-build-isolation), then the rest.
+#
+# Which torch build: SOFTTOPK_TORCH=cpu|cuda|auto (default auto: cuda when `nvidia-smi -L` lists a GPU).
+# - cpu: torch==2.13.0 as the package index serves it for CPU (the CPU build on this project's machines),
+#   with triton pinned in constraints.txt (used only by the Triton interpreter in the tests).
+# - cuda: PyPI's torch==2.13.0 Linux wheel, which is the CUDA 13 build, and the triton it requires
+#   (constraints-cuda.txt overrides the pins that differ); SOFTTOPK_TORCH_INDEX=URL takes torch from another
+#   index instead (e.g. a PyTorch wheel index for another CUDA version). Set-up fails if the installed torch
+#   then has no CUDA.
+# SOFTTOPK_SETUP_PLAN=1 prints the chosen build and the effective pins, and installs nothing.
+# Idempotent: when the constraints, setup.cfg, this script and the chosen build are unchanged since the last
+# successful run, it returns in well under a second.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${SOFTTOPK_VENV:-$root/.venv}
 py=${PYTHON:-python3}
 stamp=$venv/.softtopk-setup-stamp
-want=$(cat "$root/constraints.txt" "$root/setup.cfg" "$root/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1)
+flavour=${SOFTTOPK_TORCH:-auto}
+if [[ $flavour == auto ]]; then
+    if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+        flavour=cuda
+    else
+        flavour=cpu
+    fi
+fi
+[[ $flavour == cpu || $flavour == cuda ]] || { echo "setup_env: SOFTTOPK_TORCH must be cpu, cuda or auto, got '$flavour'" >&2; exit 2; }
+constraints=$root/constraints.txt
+if [[ $flavour == cuda ]]; then
+    # constraints.txt minus the packages that constraints-cuda.txt pins differently, plus those pins.
+    constraints=$(mktemp)
+    trap 'rm -f "$constraints"' EXIT
+    overridden=$(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' "$root/constraints-cuda.txt" | paste -sd'|')
+    { grep -vE "^($overridden)==" "$root/constraints.txt"; grep -E '==' "$root/constraints-cuda.txt"; } > "$constraints"
+fi
+if [[ -n ${SOFTTOPK_SETUP_PLAN:-} ]]; then  # say what would be installed, install nothing
+    index=""
+    [[ $flavour == cuda && -n ${SOFTTOPK_TORCH_INDEX:-} ]] && index=" (index $SOFTTOPK_TORCH_INDEX)"
+    echo "torch build: $flavour$index"
+    echo "constraints:"
+    grep -E '==' "$constraints"
+    exit 0
+fi
+want=$( (cat "$root/constraints.txt" "$root/constraints-cuda.txt" "$root/setup.cfg" "$root/pyproject.toml" "$0";
+         echo "$flavour ${SOFTTOPK_TORCH_INDEX:-}") | sha256sum | cut -d' ' -f1)
 
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
     exit 0
@@ -19,10 +54,14 @@ fi
 log() { printf '[setup_env] %s\n' "$*" >&2; }
 start=$(date +%s)
 [[ -x $venv/bin/python ]] || { log "creating $venv"; "$py" -m venv "$venv"; }
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q -c "$root/constraints.txt")
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q -c "$constraints")
 
-log "1/5 torch (CPU build, pinned)"
-"${pip[@]}" torch==2.13.0
+log "1/5 torch 2.13.0 ($flavour build, pinned)"
+if [[ $flavour == cuda && -n ${SOFTTOPK_TORCH_INDEX:-} ]]; then
+    "${pip[@]}" --index-url "$SOFTTOPK_TORCH_INDEX" torch==2.13.0
+else
+    "${pip[@]}" torch==2.13.0
+fi
 log "2/5 build dependencies"
 "${pip[@]}" setuptools wheel cython numpy
 log "3/5 fairseq-fixed (compiles against our torch; a few minutes on first run)"
@@ -34,7 +73,12 @@ log "4/5 tokenizers, scoring, triton, test tools, matplotlib"
 log "5/5 softtopk-fairseq (editable)"
 "${pip[@]}" --no-build-isolation --no-deps -e "$root"
 
-got=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
+got=$("$venv/bin/python" -c "import torch; print(torch.__version__, torch.version.cuda)")
 [[ $got == 2.13.0* ]] || { log "torch was replaced: $got"; exit 1; }
+if [[ $flavour == cuda && $got == *" None" ]]; then
+    log "SOFTTOPK_TORCH=cuda but the installed torch has no CUDA ($got): a CPU wheel was preferred (a local"
+    log "wheel directory?); set SOFTTOPK_TORCH_INDEX to a CUDA wheel index"
+    exit 1
+fi
 echo "$want" > "$stamp"
 log "done in $(( $(date +%s) - start )) s"

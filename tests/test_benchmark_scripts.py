@@ -107,3 +107,32 @@ def test_checkpoint_scripts_print_their_tables(tiny_checkpoint, toy_data_bin, sc
     else:  # one row per decoding step; step 0 sees the same scores in both runs
         assert len(rows) >= 3 and float(rows[1][1]) == 0.0, out.stdout
         assert all(float(row[3]) < 1e-4 for row in rows[1:]), out.stdout  # the solvers agree on the same scores
+
+
+def test_profile_script_counts_synchronisations():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "profile_soft_beam.py"), "--bsz", "4", "--src-len", "5",
+                          "--tgt-len", "4", "--vocab", "60", "--threads", "1", "--rows", "5"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "host-device synchronisations per update:" in out.stdout and "Self CPU time total" in out.stdout
+
+
+def test_gpu_train_check_runs_on_cpu_in_full_precision(tmp_path):
+    """The fairseq part of gpu_check.sh, tiny and on CPU (fairseq's --bf16 means a TPU without CUDA)."""
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_train_check.py"), "--workdir", str(tmp_path),
+                          "--precisions", "none", "--cpu", "--size", "tiny", "--updates", "8", "--finetune-updates",
+                          "2", "--train-pairs", "100"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["teacher_forcing", "soft_beam_search", "topk_attn"]
+    assert all("(200 hyps)" in r for r in rows[1:])  # every test sentence decoded
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh"])
+def test_gpu_check_without_cuda_says_so_and_exits_0(script, tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_check.sh would run everything")
+    root = os.path.dirname(BENCH)
+    out = subprocess.run(["bash", os.path.join(root, "scripts", script), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, SOFTTOPK_PYTHON=sys.executable))
+    assert out.returncode == 0 and "no CUDA device" in out.stdout, out.stdout + out.stderr

@@ -10,8 +10,13 @@ share fairseq's sample size (target tokens, or sentences with ``--sentence-avg``
 ``--teacher-forcing-mode sample`` each batch takes one of the two losses (L_tf with probability rho), which is
 the same objective in expectation and costs ``rho * t_tf + (1 - rho) * t_soft`` per update instead of the sum.
 
-The soft beam search calls ``model.encoder`` and ``model.decoder`` directly: use it with fairseq's
-``legacy_ddp`` (or no) data parallelism, whose gradient all-reduce does not depend on ``model.forward``.
+Data parallelism: the soft beam search calls the model's encoder and decoder step by step, not its
+``forward``. Under fairseq's default ``--ddp-backend pytorch_ddp`` (c10d), torch's DistributedDataParallel
+all-reduces gradients only in an iteration where its own ``forward`` ran, so a batch that computes L_SOFT
+alone (``rho = 0``, or ``--teacher-forcing-mode sample`` drawing L_SOFT) would let the workers drift apart.
+Such a batch therefore runs the beam search *inside* the wrapper's ``forward``
+(:func:`run_inside_ddp_forward`); when the teacher-forcing pass already went through it, the beam search
+shares that iteration's reduction. ``legacy_ddp`` does not depend on ``forward`` at all.
 """
 import math
 from dataclasses import dataclass, field
@@ -63,6 +68,32 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                      "relaxed top-k (0 = all, exact); the pruned-mass bound is logged"})
 
 
+def _ddp_wrapper(model):
+    """The torch DistributedDataParallel wrapping ``model`` (fairseq: ``ModuleProxyWrapper(DDP(model))``), or
+    None."""
+    seen = model
+    while seen is not None:
+        if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
+            return seen
+        seen = getattr(seen, "module", None) if isinstance(seen, torch.nn.Module) else None
+    return None
+
+
+def run_inside_ddp_forward(model, fn):
+    """``fn(inner_model)``, run through the DistributedDataParallel wrapper's ``forward`` when there is one,
+    so that DDP prepares its gradient reduction for this iteration (it only does in an iteration where its
+    own forward ran); ``fn(model)`` otherwise. The inner module's ``forward`` is replaced for that one call."""
+    ddp = _ddp_wrapper(model)
+    if ddp is None:
+        return fn(model)
+    inner = ddp.module
+    inner.forward = lambda: fn(inner)  # an instance attribute: DDP's self.module(...) calls it
+    try:
+        return ddp()
+    finally:
+        del inner.forward
+
+
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
@@ -111,8 +142,13 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             loss = tf_loss
         if use_soft:
             net_input = sample["net_input"]
-            out = soft_beam_search(model, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
-                                   pad=self.padding_idx, eos=self.eos, **self.search_options)
+
+            def search(m):
+                return soft_beam_search(m, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
+                                        pad=self.padding_idx, eos=self.eos, **self.search_options)
+
+            # Without a teacher-forcing pass in this batch, DDP's forward has not run: run the search in it.
+            out = search(model) if use_tf else run_inside_ddp_forward(model, search)
             soft_loss = out.nll.sum()
             loss = soft_loss if loss is None else self.rho * tf_loss + (1 - self.rho) * soft_loss
             if nll_loss is None:

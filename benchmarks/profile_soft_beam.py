@@ -1,0 +1,53 @@
+"""Where one soft_beam_search update spends its time: torch.profiler over one update (after a warm-up) of
+the demo-size model on the bench_soft_beam batch, the top operators by self CPU and self device time, and
+the number of host-device synchronisations (``aten::_local_scalar_dense``: ``.item()``, ``bool(tensor)``).
+
+    python benchmarks/profile_soft_beam.py --device cuda [--arch lstm] [--rho 0.8] [--candidates 50]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="lstm")
+    p.add_argument("--rho", type=float, default=0.8)
+    p.add_argument("--candidates", type=int, default=50)
+    p.add_argument("--rows", type=int, default=15, help="operators listed per table")
+    add_batch_arguments(p, repeats=1)
+    a = p.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+
+    model, task, sample, device = build_model_and_sample(dict(batch_config(a), arch=a.arch))
+    criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=a.rho, soft_beam_candidates=a.candidates)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def update():
+        optimizer.zero_grad()
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    update()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        update()
+    events = prof.key_averages()
+    syncs = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
+    print(f"{a.arch}, rho {a.rho}, M {a.candidates}, {device}: host-device synchronisations per update: {syncs}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows))
+    if device.type == "cuda":
+        print(events.table(sort_by="self_device_time_total", row_limit=a.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one command, with one summary of the figures:
+#   bash scripts/gpu_check.sh [OUTDIR]          (default OUTDIR: work/gpu_check)
+# 1. the tests that exercise CUDA (Triton kernels against the PyTorch path, property tests through Triton,
+#    mixed precision on CUDA), 2. the GPU sections of the benchmarks (operator: Triton vs our PyTorch path
+#    and the paper's code; Triton launch parameters; soft beam-search update cost against teacher forcing,
+#    and its profile; top-k attention step cost), 3. a short fairseq-train with soft_beam_search and with
+#    transformer_topk_attn in bf16 (fp16 and amp briefly), then fairseq-generate on the results.
+# Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
+# test totals, and is printed at the end. Without a CUDA device it says so and exits 0.
+# The interpreter: SOFTTOPK_PYTHON if set (an environment with CUDA torch, triton, fairseq and this package),
+# else the project's .venv, set up by scripts/setup_env.sh (which installs the CUDA build of torch when an
+# NVIDIA GPU is present).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=$(mkdir -p "${1:-$root/work/gpu_check}" && cd "${1:-$root/work/gpu_check}" && pwd)
+if [[ -n ${SOFTTOPK_PYTHON:-} ]]; then
+    py=$SOFTTOPK_PYTHON
+else
+    bash "$root/scripts/setup_env.sh" || exit 1
+    py=$root/.venv/bin/python
+fi
+cd "$root"
+if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: no CUDA device visible to $py (torch.cuda.is_available() is False): nothing to check here."
+    exit 0
+fi
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+summary=$out/summary.md
+failed=()
+{
+    echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)"
+    "$py" -c "import torch, triton; p = torch.cuda.get_device_properties(0); print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}')"
+} > "$summary"
+
+section() {  # section NAME COMMAND...: run it, log it, add its tables (or its last lines) to the summary
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    local took=$((SECONDS - start))
+    {
+        echo
+        echo "## $name (exit $rc, $took s)"
+        echo '`'"$*"'`'
+        echo
+        if grep -qE '^\|' "$out/$name.log"; then
+            grep -E '^\||^[A-Za-z].*(ms|GPU|batch|threads|synchronisations)' "$out/$name.log" | grep -v '^INFO' | head -80
+        else
+            tail -n 15 "$out/$name.log"
+        fi
+    } >> "$summary"
+    echo "   exit $rc in $took s"
+    [[ $rc -eq 0 ]] || failed+=("$name")
+}
+
+section tests "$py" -m pytest -q -m "not slow" -p no:cacheprovider tests/test_fused_kernels.py tests/test_triton.py \
+    tests/test_soft_topk_properties.py tests/test_soft_topk.py tests/test_mixed_precision.py
+section bench_soft_topk "$py" benchmarks/bench_soft_topk.py --device cuda --repeats 10
+section triton_tuning "$py" benchmarks/triton_tuning.py --repeats 10
+section bench_soft_beam "$py" benchmarks/bench_soft_beam.py --device cuda --threads 8 --repeats 5 --candidates 50 0
+section profile_soft_beam "$py" benchmarks/profile_soft_beam.py --device cuda --threads 8
+section bench_topk_attention "$py" benchmarks/bench_topk_attention.py --device cuda --threads 8 --repeats 10
+section train "$py" benchmarks/gpu_train_check.py --workdir "$out/train"
+
+echo
+cat "$summary"
+if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "gpu_check: failed sections: ${failed[*]} (logs in $out)"
+    exit 1
+fi
+echo "gpu_check: all sections passed (logs in $out)"

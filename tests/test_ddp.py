@@ -1,0 +1,84 @@
+"""soft_beam_search under torch's DistributedDataParallel, wrapped the way fairseq's default
+``--ddp-backend pytorch_ddp`` wraps a model (``DistributedDataParallel`` -- here with no device ids, gloo on
+CPU -- then ``ModuleProxyWrapper``), without fairseq's trainer: two processes, a different batch on each;
+after backward the gradients must be identical on both ranks, also for batches that compute L_SOFT alone
+(DDP only reduces in an iteration where its forward ran)."""
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# (rho, --teacher-forcing-mode): L_SOFT only; sample mode drawing L_SOFT (seed 0's draw is 0.496 > 0.3);
+# both losses (the teacher-forcing pass runs DDP's forward, the beam search shares its reduction).
+CASES = [(0.0, "sum"), (0.3, "sample"), (0.5, "sum")]
+
+
+def _worker(rank, port, result_path, route):
+    sys.path.insert(0, TESTS)
+    from fairseq.distributed import ModuleProxyWrapper
+    from softtopk_fairseq.criterions import soft_beam_search as criterion_module
+    from tiny_models import TinyTask, batch, build, dictionary
+
+    if not route:  # the control: the beam search called directly, as before the fix
+        criterion_module.run_inside_ddp_forward = lambda model, fn: fn(model)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    d = dictionary(12)
+    results = {}
+    for rho, mode in CASES:
+        model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(
+            build("lstm", d, dtype=torch.float32, seed=0)))
+        criterion = criterion_module.SoftBeamSearchCriterion(
+            TinyTask(d), False, 0.1, teacher_forcing_ratio=rho, teacher_forcing_mode=mode, soft_beam_size=3)
+        torch.manual_seed(0)  # fairseq seeds every worker alike for each update: the same draw in sample mode
+        loss, _, log = criterion(model, batch(d, seed=rank + 1))  # a different batch on each rank
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        gathered = [torch.empty_like(grads) for _ in range(2)]
+        dist.all_gather(gathered, grads)
+        results[f"{rho} {mode}"] = dict(max_diff=float((gathered[0] - gathered[1]).abs().max()),
+                                        scale=float(gathered[0].abs().max()), tf="tf_loss" in log,
+                                        soft="soft_loss" in log)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, route):
+    path = tmp_path / f"ddp_{route}.json"
+    mp.spawn(_worker, args=(_free_port(), str(path), route), nprocs=2, join=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_gradients_agree_across_ddp_ranks_in_every_mode(tmp_path):
+    results = _run(tmp_path, route=True)
+    assert results["0.0 sum"]["soft"] and not results["0.0 sum"]["tf"]
+    assert results["0.3 sample"]["soft"] and not results["0.3 sample"]["tf"]  # the draw took L_SOFT
+    assert results["0.5 sum"]["soft"] and results["0.5 sum"]["tf"]
+    for case, r in results.items():
+        assert r["scale"] > 0 and r["max_diff"] <= 1e-6 * r["scale"], (case, r)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_without_running_inside_ddp_forward_the_ranks_drift(tmp_path):
+    """The control that shows the test above can fail: calling the beam search directly (DDP's forward not
+    run) leaves each rank with its own batch's gradient when no teacher-forcing pass ran."""
+    results = _run(tmp_path, route=False)
+    assert results["0.0 sum"]["max_diff"] > 1e-3 * results["0.0 sum"]["scale"]
+    assert results["0.3 sample"]["max_diff"] > 1e-3 * results["0.3 sample"]["scale"]
+    assert results["0.5 sum"]["max_diff"] <= 1e-6 * results["0.5 sum"]["scale"]
