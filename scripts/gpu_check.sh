@@ -8,6 +8,7 @@
 #    transformer_topk_attn in bf16 (fp16 and amp briefly), then fairseq-generate on the results.
 # Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
 # test totals, and is printed at the end. Without a CUDA device it says so and exits 0.
+# GPU_CHECK_SECTIONS="tests train ..." runs only the named sections (default: all, in the order below).
 # The interpreter: SOFTTOPK_PYTHON if set (an environment with CUDA torch, triton, fairseq and this package),
 # else the project's .venv, set up by scripts/setup_env.sh (which installs the CUDA build of torch when an
 # NVIDIA GPU is present).
@@ -36,6 +37,9 @@ failed=()
 section() {  # section NAME COMMAND...: run it, log it, add its tables (or its last lines) to the summary
     local name=$1
     shift
+    if [[ -n ${GPU_CHECK_SECTIONS:-} && " $GPU_CHECK_SECTIONS " != *" $name "* ]]; then
+        return 0
+    fi
     echo "== $name: $*"
     local start=$SECONDS
     "$@" > "$out/$name.log" 2>&1
