@@ -5,7 +5,7 @@
 #    mixed precision on CUDA), 2. the GPU sections of the benchmarks (operator: Triton vs our PyTorch path
 #    and the paper's code; Triton launch parameters; soft beam-search update cost against teacher forcing,
 #    and its profile; top-k attention step cost), 3. a short fairseq-train with soft_beam_search and with
-#    transformer_topk_attn in bf16 (fp16 and amp briefly), then fairseq-generate on the results.
+#    transformer_topk_attn in fp16 (amp briefly; fairseq 0.12's --bf16 means a TPU), then fairseq-generate.
 # Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
 # test totals, and is printed at the end. Without a CUDA device it says so and exits 0.
 # GPU_CHECK_SECTIONS="tests train ..." runs only the named sections (default: all, in the order below).

@@ -104,7 +104,7 @@ def _check_unsorted(x, k, dim, kw):
 
 def _check_grad(xg, out):
     """A linear loss's gradient is finite, and exactly 0 on the excluded (-inf) entries."""
-    w = torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device=xg.device).view(out.shape)
+    w = torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device=out.device).view(out.shape)
     (out.double() * w).sum().backward()
     grad = xg.grad.double().cpu()
     assert bool(torch.isfinite(grad).all())
