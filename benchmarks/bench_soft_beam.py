@@ -63,6 +63,19 @@ def build_model_and_sample(cfg, extra_args=None):
     return model, Task(), sample, device
 
 
+def one_update(model, criterion, sample, optimizer, device):
+    """Forward + backward + optimizer step, finished on the device; returns the logging output."""
+    import torch
+
+    optimizer.zero_grad()
+    loss, _, log = criterion(model, sample)
+    loss.backward()
+    optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return log
+
+
 def time_updates(model, criterion, sample, device, repeats):
     """Median seconds of ``repeats`` updates (forward + backward + Adam step, after one warm-up), the last
     logging output, and the peak memory in MiB (CUDA: max allocated; CPU: this process's max RSS)."""
@@ -74,12 +87,7 @@ def time_updates(model, criterion, sample, device, repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        optimizer.zero_grad()
-        loss, _, log = criterion(model, sample)
-        loss.backward()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        log = one_update(model, criterion, sample, optimizer, device)
         if i:  # the first update warms up allocators and caches
             times.append(time.perf_counter() - start)
     if device.type == "cuda":

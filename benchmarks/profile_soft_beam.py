@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample  # noqa: E402
+from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, one_update  # noqa: E402
 
 
 def main():
@@ -29,18 +29,10 @@ def main():
     criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=a.rho, soft_beam_candidates=a.candidates)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 
-    def update():
-        optimizer.zero_grad()
-        loss, _, _ = criterion(model, sample)
-        loss.backward()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    update()
+    one_update(model, criterion, sample, optimizer, device)  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        update()
+        one_update(model, criterion, sample, optimizer, device)
     events = prof.key_averages()
     syncs = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
     print(f"{a.arch}, rho {a.rho}, M {a.candidates}, {device}: host-device synchronisations per update: {syncs}")
