@@ -27,7 +27,7 @@ def test_operator_benchmark_prints_its_table():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| generic")]
-    assert len(rows) == 1 and rows[0].count("|") == 13, out.stdout
+    assert len(rows) == 1 and rows[0].count("|") == 17, out.stdout
 
 
 def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):

@@ -127,16 +127,18 @@ def test_cpu_kernels_on_hard_inputs(sorted, case):
     torch.testing.assert_close(xg[0].grad / scale, xg[1].grad / scale, atol=1e-3, rtol=0)
 
 
-def test_auto_uses_the_cpu_kernels_for_sorted_float32(monkeypatch):
+def test_auto_uses_the_cpu_kernels_for_float32(monkeypatch):
     calls = []
-    real = cpu_kernels.forward
-    monkeypatch.setattr(cpu_kernels, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("forward", "unsorted_forward"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = torch.randn(3, 20)
     soft_topk(x, 3, sorted=True)
-    assert calls == [1]
-    soft_topk(x, 3, sorted=False)           # the unsorted operator keeps its scalar root (as fast)
+    soft_topk(x, 3, sorted=False)
+    assert calls == ["forward", "unsorted_forward"]
     soft_topk(x.double(), 3, sorted=True)   # float64: the PyTorch path
-    assert calls == [1]
+    soft_topk(x, 3, sorted=True, method="sinkhorn")
+    assert calls == ["forward", "unsorted_forward"]
 
 
 def test_cpu_backend_on_cuda_tensors_is_a_clear_error():
@@ -209,8 +211,7 @@ def test_iteration_counts_agree_with_the_torch_path(backend, sorted, case):
     takes (within one: float rounding differs between languages), and few rows differ at all. At tol 1e-5,
     above float32's rounding floor (rows stopping at the floor stop after a rounding-dependent count). The
     two-clusters case is one where the trust region matters: without it the kernels take fewer steps on
-    half of the rows. The unsorted PyTorch path solves a scalar root instead, so the reference there is
-    the same two-anchor semi-dual through the PyTorch Newton solver."""
+    half of the rows (sorted; the unsorted operator is one safeguarded scalar root per row everywhere)."""
     torch.manual_seed(6)
     device = _device(backend)
     x, kw = torch.randn(16, 60, device=device), dict(epsilon=0.1)
@@ -228,34 +229,10 @@ def test_iteration_counts_agree_with_the_torch_path(backend, sorted, case):
         kw = dict(epsilon=1.0)
     k = 4
     _, fused = soft_topk(x, k, sorted=sorted, backend=backend, return_info=True, tol=1e-5, **kw)
-    if sorted:
-        _, ref = soft_topk(x, k, sorted=True, backend="torch", return_info=True, tol=1e-5, **kw)
-    else:
-        ref = _two_anchor_reference(x, k, kw)
+    _, ref = soft_topk(x, k, sorted=sorted, backend="torch", return_info=True, tol=1e-5, **kw)
     diff = (fused.iterations.cpu() - ref.iterations.cpu()).abs()
     assert float(diff.max()) <= 1 and int((diff > 0).sum()) <= 2, (fused.iterations, ref.iterations)
     assert bool(fused.converged.all())
-
-
-def _two_anchor_reference(x, k, kw):
-    """SolverInfo-like iterations of the unsorted problem solved by solvers.newton_semi_dual (two anchors)."""
-    from types import SimpleNamespace
-
-    from softtopk_fairseq.ops import effective_epsilon, solvers
-
-    x = x.cpu().float()
-    valid = x != -torch.inf
-    eps = effective_epsilon(x, k, epsilon=kw["epsilon"], scaling=kw.get("scaling", "none"))
-    top = torch.topk(torch.where(valid, x, torch.tensor(-torch.inf)), k + 1, dim=-1).values
-    nv = valid.sum(-1)
-    centre = top.gather(-1, (nv.clamp(max=k) - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    centre = torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
-    bound = torch.finfo(x.dtype).max / (8.0 * (k + 2))
-    u = solvers.normalise_scores(x, centre, eps, bound).masked_fill_(~valid, 0.0)
-    u_top = torch.where(torch.isfinite(top), solvers.normalise_scores(top, centre, eps, bound), top)
-    _, c = solvers.anchor_targets(nv, k, False, x.dtype)
-    _, info = solvers.newton_semi_dual(u, valid, c, 1e-5, 50, top=u_top)
-    return SimpleNamespace(iterations=info[:, 0])
 
 
 def test_auto_falls_back_to_torch_when_a_triton_launch_fails(monkeypatch):
@@ -297,3 +274,82 @@ def test_missing_triton_auto_warns_and_named_backend_raises(monkeypatch):
     torch.testing.assert_close(out, soft_topk(x, 2, sorted=True, backend="torch"))
     with pytest.raises(backends.KernelError, match="triton is not installed"):
         soft_topk(x, 2, sorted=True, backend="triton")
+
+
+# ---- the criterion and the top-k attention end to end on each fused backend ----------------------------
+
+
+def _forced(backend, fn):
+    from softtopk_fairseq.ops import use_backend
+
+    with use_backend(backend):
+        return fn()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_soft_beam_criterion_on_the_fused_backend_matches_the_torch_path(backend, monkeypatch):
+    """The whole criterion (tiny LSTM, float32, rho 0.5) with every soft_topk call forced onto the backend
+    (Triton in the interpreter on CPU): same loss and gradients as on the PyTorch path, and the forced
+    backend's kernels really ran."""
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.ops import backends
+    from tiny_models import TinyTask, batch, build, dictionary
+
+    calls = []
+    real = backends.FusedBackend.forward
+    monkeypatch.setattr(backends.FusedBackend, "forward", lambda self, *a: calls.append(self.name) or real(self, *a))
+    d = dictionary(12)
+    device = _device(backend)
+    sample = batch(d)
+    sample = {k: ({kk: vv.to(device) for kk, vv in v.items()} if isinstance(v, dict)
+                  else v.to(device) if torch.is_tensor(v) else v) for k, v in sample.items()}
+    results = []
+    for b in (backend, "torch"):
+        model = build("lstm", d, dtype=torch.float32).to(device)
+        criterion = SoftBeamSearchCriterion(TinyTask(d), False, 0.1, teacher_forcing_ratio=0.5, soft_beam_size=3)
+        loss, _, _ = _forced(b, lambda: criterion(model, sample))
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert set(calls) == {backend}
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-4, rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_attention_model_on_the_fused_backend_matches_the_torch_path(backend, monkeypatch):
+    """A tiny transformer_topk_attn (SOFT top-k in all three attentions, unsorted operator) forward and
+    backward with its soft_topk calls forced onto the backend: same output and gradients as the PyTorch path."""
+    from softtopk_fairseq.ops import backends
+    from tiny_models import batch, build, dictionary
+
+    calls = []
+    real = backends.FusedBackend.forward
+    monkeypatch.setattr(backends.FusedBackend, "forward", lambda self, *a: calls.append(self.name) or real(self, *a))
+    d = dictionary(12)
+    device = _device(backend)
+    ni = {k: v.to(device) for k, v in batch(d)["net_input"].items()}
+    results = []
+    for b in (backend, "torch"):
+        model = build("transformer_topk_attn", d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode="soft",
+                      topk_attn_layers="encoder-decoder,decoder-self,encoder-self").to(device)
+        out, _ = _forced(b, lambda: model(**ni))
+        out.float().pow(2).mean().backward()
+        results.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert set(calls) == {backend}
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-4, rtol=1e-4)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_use_backend_rejects_unknown_names_and_restores():
+    from softtopk_fairseq.ops import backends, use_backend
+
+    with pytest.raises(ValueError, match="use_backend"):
+        with use_backend("gpu"):
+            pass
+    with use_backend("torch"):
+        with use_backend("cpu"):
+            assert backends.resolve("auto") == "cpu"
+        assert backends.resolve("auto") == "torch" and backends.resolve("cpu") == "cpu"
+    assert backends.resolve("auto") == "auto"

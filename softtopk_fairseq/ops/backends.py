@@ -11,12 +11,13 @@ Every backend has the same two methods, ``forward(...) -> (out, info)`` and
 ``backward(...) -> grad_x``; ``soft_topk.py`` keeps the definition, validation, dL/d(epsilon) (from
 ``grad_x``, once for all backends) and the custom-op registration, and never asks which backend it holds.
 
-``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU for the sorted operator
-(for the unsorted one the PyTorch scalar root is as fast, docs/results.md) -- else the PyTorch path. When
+``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
 ``auto`` warns once, saying why, and uses the PyTorch path; a backend named explicitly raises instead.
 """
+import contextlib
 import os
+import threading
 import warnings
 from typing import Optional, Tuple
 
@@ -92,24 +93,35 @@ class FusedBackend(Backend):
         return False
 
     def forward(self, x, valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method):
+        """Sorted: the damped Newton solve of ``solvers.newton_semi_dual``; unsorted: the scalar root per row
+        of ``solvers.newton_sigmoid_root``; each in one kernel launch, from the same starting thresholds."""
         n_valid = valid.sum(-1)
         _, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
         rows, m = c.shape
-        mp = self.kernels.padded_anchors(m)
         # Starting thresholds from the normalised top scores (x is read only for its shape and dtype).
         t = solvers.initial_thresholds(x, valid, c, u_top)
+        t = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+        shift = solvers.log_mass_shift(c)
+        mask = None if all_valid else valid
+        if not sorted:  # two anchors: the scalar root per row, as the PyTorch path solves it
+            return self._launch(self.kernels.unsorted_forward, x, mask, centre, eps, bound, t[:, 0], shift[:, 0],
+                                k, tol, max_iter)
+        mp = self.kernels.padded_anchors(m)
         tz = x.new_zeros(rows, mp)  # shifted: tz[l] = t_{l-1}
-        tz[:, 1:m] = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-        shift = x.new_zeros(rows, mp)
-        shift[:, 1:m] = solvers.log_mass_shift(c)
+        tz[:, 1:m] = t
+        shift_z = x.new_zeros(rows, mp)
+        shift_z[:, 1:m] = shift
         c_pad = x.new_zeros(rows, mp)
         c_pad[:, :m] = c
         m_act = (c > 0).sum(-1).to(torch.int32)
-        return self._launch(self.kernels.forward, x, None if all_valid else valid, centre, eps, bound, tz, shift,
-                            c_pad, m_act, k, sorted, tol, max_iter)
+        return self._launch(self.kernels.forward, x, mask, centre, eps, bound, tz, shift_z, c_pad, m_act, k, sorted,
+                            tol, max_iter)
 
     def backward(self, grad_out, out, valid, eps, k, sorted):
         n_valid = valid.sum(-1)
+        if not sorted:
+            mask = None if bool((n_valid == valid.shape[-1]).all()) else valid
+            return self._launch(self.kernels.unsorted_backward, out, grad_out, mask, eps)
         y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
         y_pad = out.new_zeros(self.kernels.padded_anchors(c.shape[-1]))
         y_pad[: y.shape[0]] = y
@@ -214,8 +226,29 @@ def select(x: Tensor, method: str, backend: str, sorted: bool) -> Backend:
     for impl in (TRITON, CPU):
         if not impl.auto_device(x) or impl in _disabled:
             continue
-        if impl is CPU and not sorted:  # the PyTorch scalar root per row is as fast (docs/results.md)
-            return TORCH
         why = impl.usable()
         return impl if why is None else fall_back(impl, why)
     return TORCH
+
+
+_default = threading.local()
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Within the block, ``soft_topk`` calls that ask for ``backend="auto"`` (all of this package's modules,
+    criterions and models do) use ``name`` instead -- e.g. to run a model on the PyTorch path, or to force
+    the Triton kernels in a test. Thread-local; nests."""
+    if name not in NAMES:
+        raise ValueError(f"use_backend: name must be one of {NAMES}, got {name!r}")
+    previous = getattr(_default, "name", "auto")
+    _default.name = name
+    try:
+        yield
+    finally:
+        _default.name = previous
+
+
+def resolve(backend: str) -> str:
+    """``backend``, or the :func:`use_backend` choice in force when it is ``"auto"``."""
+    return getattr(_default, "name", "auto") if backend == "auto" else backend

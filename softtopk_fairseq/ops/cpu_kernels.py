@@ -84,6 +84,10 @@ def _build() -> ctypes.CDLL:
     lib.soft_topk_forward.restype = ctypes.c_int
     lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
     lib.soft_topk_backward.restype = ctypes.c_int
+    lib.soft_topk_unsorted_forward.argtypes = [p, p, p, p, f32, p, p, p, p, i64, i64, i32, f64, i32, i32]
+    lib.soft_topk_unsorted_forward.restype = ctypes.c_int
+    lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, i64, i64, i32]
+    lib.soft_topk_unsorted_backward.restype = ctypes.c_int
     lib.soft_topk_row_top.argtypes = [p, p, p, i64, i64, i32, i32]
     lib.soft_topk_row_top.restype = ctypes.c_int
     return lib
@@ -164,6 +168,36 @@ def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
     failed = library().soft_topk_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(y), _ptr(m_act), _ptr(rest_on),
                                           _ptr(eps), _ptr(grad), rows, n, k, y.shape[-1], int(sorted),
                                           torch.get_num_threads())
+    if failed:
+        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    return grad
+
+
+@ensure_contiguous
+def unsorted_forward(x, valid, centre, eps, bound, tau0, shift, k, tol, max_iter):
+    """The unsorted operator's scalar root per row (``solvers.newton_sigmoid_root``) on the raw scores ``x``
+    (rows, n), normalised in the kernel like :func:`forward`; ``tau0`` and ``shift`` (rows,) are the starting
+    threshold and its log((n-k)/k) shift. Returns the output (rows, n) and info (rows, 2)."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    info = torch.empty((rows, 2), dtype=torch.float32)
+    _check(x, valid, centre, eps, tau0, shift)
+    failed = library().soft_topk_unsorted_forward(_ptr(x), _ptr(valid), _ptr(centre), _ptr(eps), float(bound),
+                                                  _ptr(tau0), _ptr(shift), _ptr(out), _ptr(info), rows, n, k,
+                                                  float(tol), int(max_iter), torch.get_num_threads())
+    if failed:
+        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    return out, info
+
+
+@ensure_contiguous
+def unsorted_backward(out, grad_out, valid, eps):
+    """dL/dx (rows, n) of the unsorted operator from its output (``backward.sigmoid_grad``, divided by eps)."""
+    rows, n = out.shape
+    grad = torch.empty((rows, n), dtype=torch.float32)
+    _check(out, grad_out, valid, eps)
+    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(eps), _ptr(grad),
+                                                   rows, n, torch.get_num_threads())
     if failed:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
     return grad

@@ -273,7 +273,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backend)
+    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backends.resolve(backend))
     if not torch.compiler.is_compiling():
         # Rows may also stop early at their rounding floor (float32 scores far from 0 relative to epsilon
         # carry only ~1e-7 * |x| / epsilon of information); that is reported in the info, not warned about.

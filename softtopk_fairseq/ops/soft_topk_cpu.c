@@ -431,3 +431,145 @@ int soft_topk_row_top(const float *x, const uint8_t *valid, float *top, int64_t 
     }
     return 0;
 }
+
+/* ---- the unsorted operator: one monotone root per row (solvers.newton_sigmoid_root) --------------------
+ * A_i = sigmoid(u_i - tau) with sum_i A_i = k over the valid elements: safeguarded Newton on
+ * f(tau) = sum_i sigmoid(u_i - tau) - k (f' = -sum_i a_i, a = A(1 - A)) inside the bracket
+ * [u_min + shift, u_max + shift] (shift = log((n-k)/k)), bisecting when a step leaves it; started from the
+ * better of tau0 and tau0 + shift. Rows with n_valid <= k are all ones on the valid elements. Sums in double. */
+
+static inline float sigmoid_f(float z) {
+    float e = exp_nonpos(z >= 0.0f ? -z : z);  /* e^{-|z|}: never overflows */
+    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+/* f(tau) + k = sum_i A_i and sum_i A_i (1 - A_i) over the valid elements (wv = 1, else 0). */
+static void sigmoid_sums(const float *restrict u, const float *restrict wv, int64_t np, float tau, double *mass,
+                         double *slope) {
+    double m = 0.0, s = 0.0;
+    for (int64_t start = 0; start < np; start += BLOCK) {
+        int nb = (int)(np - start < BLOCK ? np - start : BLOCK);
+        float mb = 0.0f, sb = 0.0f;
+#pragma omp simd reduction(+ : mb, sb)
+        for (int j = 0; j < nb; j++) {
+            float a = sigmoid_f(u[start + j] - tau) * wv[start + j];
+            mb += a;
+            sb += a * (1.0f - a);
+        }
+        m += mb;
+        s += sb;
+    }
+    *mass = m;
+    *slope = s;
+}
+
+typedef struct {
+    const float *x, *centre, *eps, *tau0, *shift;
+    const uint8_t *valid;
+    float bound, *out, *info;
+    int64_t n;
+    int k, max_iter;
+    double tol;
+} unsorted_args;
+
+static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
+    const unsorted_args *a = ctx;
+    int64_t n = a->n, np = padded(n);
+    const float *x = a->x + r * n;
+    const uint8_t *valid = a->valid ? a->valid + r * n : NULL;
+    float *u = w->u, *wv = w->wv, *out = a->out + r * n, *info = a->info + 2 * r;
+    float centre = a->centre[r], eps = a->eps[r], bound = a->bound;
+    float u_min = INFINITY, u_max = -INFINITY;
+    int64_t n_valid = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = (x[j] - centre) / eps;
+        v = v < -bound ? -bound : (v > bound ? bound : v);
+        int keep = valid == NULL || valid[j];
+        u[j] = keep ? v : 0.0f;
+        wv[j] = keep ? 1.0f : 0.0f;
+        if (keep) {
+            n_valid++;
+            u_min = v < u_min ? v : u_min;
+            u_max = v > u_max ? v : u_max;
+        }
+    }
+    for (int64_t j = n; j < np; j++) { u[j] = 0.0f; wv[j] = 0.0f; }
+    int k = a->k;
+    if (n_valid <= k) {  /* nothing to select: every valid element is in */
+        for (int64_t j = 0; j < n; j++) out[j] = wv[j];
+        info[0] = 0.0f;
+        info[1] = 0.0f;
+        return;
+    }
+    float shift = a->shift[r];
+    double scale = (double)(k < n_valid - k ? k : n_valid - k);
+    scale = scale > 1.0 ? scale : 1.0;
+    float lo = u_min + shift, hi = u_max + shift;
+    double mass, slope, mass2, slope2;
+    float tau = a->tau0[r];
+    sigmoid_sums(u, wv, np, tau, &mass, &slope);
+    float tau2 = tau + shift;
+    sigmoid_sums(u, wv, np, tau2, &mass2, &slope2);
+    double f = mass - k, f2 = mass2 - k;
+    if (fabs(f2) / scale < fabs(f) / scale) { tau = tau2; f = f2; slope = slope2; }
+    double err = fabs(f) / scale;
+    int it = 0;
+    int done = err <= a->tol;
+    while (!done && it < a->max_iter) {
+        if (f > 0) lo = tau > lo ? tau : lo;   /* f decreases in tau: the root is above */
+        if (f < 0) hi = tau < hi ? tau : hi;
+        float step = (float)(tau + f / (slope > 1.1754943508222875e-38 ? slope : 1.1754943508222875e-38));
+        float next = (step > lo && step < hi && isfinite(step)) ? step : 0.5f * (lo + hi);
+        sigmoid_sums(u, wv, np, next, &mass, &slope);
+        int stuck = next == tau;  /* the step no longer moves tau: the row's rounding floor */
+        tau = next;
+        f = mass - k;
+        err = fabs(f) / scale;
+        it++;
+        done = err <= a->tol || stuck;
+    }
+    info[0] = (float)it;
+    info[1] = (float)err;
+    for (int64_t j = 0; j < n; j++) out[j] = sigmoid_f(u[j] - tau) * wv[j];
+}
+
+int soft_topk_unsorted_forward(const float *x, const uint8_t *valid, const float *centre, const float *eps,
+                               float bound, const float *tau0, const float *shift, float *out, float *info,
+                               int64_t rows, int64_t n, int k, double tol, int max_iter, int threads) {
+    unsorted_args a = {x, centre, eps, tau0, shift, valid, bound, out, info, n, k, max_iter, tol};
+    return parallel_rows(rows, n, 2, threads, unsorted_forward_task, &a);
+}
+
+/* dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) on the valid elements
+ * (backward.sigmoid_grad): tau's dependence on x gives the second term. */
+typedef struct {
+    const float *out, *gout, *eps;
+    const uint8_t *valid;
+    float *grad;
+    int64_t n;
+} unsorted_backward_args;
+
+static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
+    (void)w;
+    const unsorted_backward_args *a = ctx;
+    int64_t n = a->n;
+    const float *out = a->out + r * n, *g = a->gout + r * n;
+    const uint8_t *valid = a->valid ? a->valid + r * n : NULL;
+    float *grad = a->grad + r * n;
+    double num = 0.0, den = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        float wj = (valid == NULL || valid[j]) ? out[j] * (1.0f - out[j]) : 0.0f;
+        grad[j] = wj;
+        num += (double)g[j] * wj;
+        den += wj;
+    }
+    float mean_g = (float)(num / (den > 1.1754943508222875e-38 ? den : 1.1754943508222875e-38));
+    float inv_eps = 1.0f / a->eps[r];
+    for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;
+}
+
+int soft_topk_unsorted_backward(const float *out, const float *gout, const uint8_t *valid, const float *eps,
+                                float *grad, int64_t rows, int64_t n, int threads) {
+    unsorted_backward_args a = {out, gout, eps, valid, grad, n};
+    return parallel_rows(rows, n, 2, threads, unsorted_backward_task, &a);
+}

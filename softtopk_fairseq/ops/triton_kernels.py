@@ -210,6 +210,116 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, valid_ptr, y_ptr, mact_ptr, restc_
         tl.store(grad_ptr + row * n + offs_n, tl.where(keep, grad, 0.0), mask=offs_n < n)
 
 
+@triton.jit
+def _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Normalised scores u (BLOCK_N,) of elements start..start+BLOCK_N of ``row`` and their validity."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    keep = offs_n < n
+    if HAS_MASK:
+        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
+    x = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
+    u = tl.minimum(tl.maximum(tl.div_rn(x - centre, eps), -bound), bound)
+    return tl.where(keep, u, 0.0), keep
+
+
+@triton.jit
+def _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum_i A_i and sum_i A_i (1 - A_i) over the valid elements, A = sigmoid(u - tau)."""
+    mass = tl.zeros((), dtype=tl.float32)
+    slope = tl.zeros((), dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
+        a = tl.where(keep, tl.sigmoid(u - tau), 0.0)
+        mass += tl.sum(a, axis=0)
+        slope += tl.sum(a * (1.0 - a), axis=0)
+    return mass, slope
+
+
+@triton.jit
+def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bound, tau0_ptr, shift_ptr, out_ptr,
+                                      info_ptr, n, k, tol, max_iter, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The unsorted operator as one monotone root per row (solvers.newton_sigmoid_root, soft_topk_cpu.c):
+    safeguarded Newton on f(tau) = sum_i sigmoid(u_i - tau) - k inside [u_min + shift, u_max + shift]."""
+    row = tl.program_id(0)
+    centre = tl.load(centre_ptr + row)
+    eps = tl.load(eps_ptr + row)
+    u_min = tl.full((), float("inf"), tl.float32)
+    u_max = tl.full((), float("-inf"), tl.float32)
+    n_valid = tl.zeros((), dtype=tl.int32)
+    for start in range(0, n, BLOCK_N):
+        u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
+        u_min = tl.minimum(u_min, tl.min(tl.where(keep, u, float("inf")), axis=0))
+        u_max = tl.maximum(u_max, tl.max(tl.where(keep, u, float("-inf")), axis=0))
+        n_valid += tl.sum(keep.to(tl.int32), axis=0)
+    solve = n_valid > k
+    shift = tl.load(shift_ptr + row)
+    scale = tl.maximum(tl.minimum(k, n_valid - k), 1).to(tl.float32)
+    lo = u_min + shift
+    hi = u_max + shift
+    tau = tl.load(tau0_ptr + row)
+    mass, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK, BLOCK_N)
+    mass2, slope2 = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau + shift, HAS_MASK, BLOCK_N)
+    f = mass - k
+    f2 = mass2 - k
+    better = tl.abs(f2) < tl.abs(f)
+    tau = tl.where(better, tau + shift, tau)
+    f = tl.where(better, f2, f)
+    slope = tl.where(better, slope2, slope)
+    err = tl.where(solve, tl.abs(f) / scale, 0.0)
+    it = tl.full((), 0, tl.int32)
+    going = err > tol
+    while going & (it < max_iter):
+        lo = tl.where(f > 0, tl.maximum(lo, tau), lo)  # f decreases in tau: the root is above
+        hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
+        step = tau + f / tl.maximum(slope, 1.1754943508222875e-38)
+        inside = (step > lo) & (step < hi) & (step == step) & (tl.abs(step) < float("inf"))
+        nxt = tl.where(inside, step, 0.5 * (lo + hi))
+        mass, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, nxt, HAS_MASK, BLOCK_N)
+        stuck = nxt == tau  # the step no longer moves tau: the row's rounding floor
+        tau = nxt
+        f = mass - k
+        err = tl.abs(f) / scale
+        it += 1
+        going = (err > tol) & (stuck == 0)
+    tl.store(info_ptr + row * 2, it.to(tl.float32))
+    tl.store(info_ptr + row * 2 + 1, err)
+    for start in range(0, n, BLOCK_N):
+        u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
+        a = tl.where(solve, tl.sigmoid(u - tau), 1.0)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + row * n + offs_n, tl.where(keep, a, 0.0), mask=offs_n < n)
+
+
+@triton.jit
+def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, valid_ptr, eps_ptr, grad_ptr, n, HAS_MASK: tl.constexpr,
+                                       BLOCK_N: tl.constexpr):
+    """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (backward.sigmoid_grad)."""
+    row = tl.program_id(0)
+    num = tl.zeros((), dtype=tl.float32)
+    den = tl.zeros((), dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        keep = offs_n < n
+        if HAS_MASK:
+            keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
+        a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
+        g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+        w = a * (1.0 - a)
+        num += tl.sum(g * w, axis=0)
+        den += tl.sum(w, axis=0)
+    mean_g = num / tl.maximum(den, 1.1754943508222875e-38)
+    inv_eps = 1.0 / tl.load(eps_ptr + row)
+    for start in range(0, n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        keep = offs_n < n
+        if HAS_MASK:
+            keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
+        a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
+        g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+        grad = a * (1.0 - a) * (g - mean_g) * inv_eps
+        tl.store(grad_ptr + row * n + offs_n, tl.where(keep, grad, 0.0), mask=offs_n < n)
+
+
 def padded_anchors(m: int) -> int:
     return max(2, triton.next_power_of_2(m))
 
@@ -256,4 +366,32 @@ def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted, block=None
         out, grad_out, valid if has_mask else out, y, m_act, rest_on, eps, grad, n, k,
         HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp),
         RIDGE_ULPS=KERNEL_CONSTANTS["RIDGE_ULPS"])
+    return grad
+
+
+def unsorted_block(n: int) -> int:
+    return max(16, min(triton.next_power_of_2(n), 1024))
+
+
+@ensure_contiguous
+def unsorted_forward(x, valid, centre, eps, bound, tau0, shift, k, tol, max_iter):
+    """Launch the unsorted forward (the same arguments as ``cpu_kernels.unsorted_forward``)."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
+    has_mask = valid is not None
+    soft_topk_unsorted_forward_kernel[(rows,)](
+        x, valid if has_mask else x, centre, eps, float(bound), tau0, shift, out, info, n, k, float(tol),
+        int(max_iter), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
+    return out, info
+
+
+@ensure_contiguous
+def unsorted_backward(out, grad_out, valid, eps):
+    """Launch the unsorted backward (the same arguments as ``cpu_kernels.unsorted_backward``)."""
+    rows, n = out.shape
+    grad = torch.empty((rows, n), dtype=torch.float32, device=out.device)
+    has_mask = valid is not None
+    soft_topk_unsorted_backward_kernel[(rows,)](out, grad_out, valid if has_mask else out, eps, grad, n,
+                                                HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
     return grad
