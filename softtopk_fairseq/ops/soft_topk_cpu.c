@@ -163,10 +163,10 @@ static void solve_free(const double *s, const double *ppt, const double *rhs, in
     for (int l = 0; l < f; l++) if (!isfinite(x[l])) { for (int q = 0; q < mp; q++) x[q] = 0.0; return; }
 }
 
-static void forward_row(const float *x, const uint8_t *valid, int64_t n, float centre, float eps, float bound,
-                        int k, const float *tz0, const float *shift, const float *c, int ma, int mp, int sorted,
-                        double tol, int max_iter, int max_halvings, float *out, float *info, workspace *w) {
-    float *u = w->u, *wv = w->wv;
+/* The row's normalised scores u = clamp((x - centre) / eps, +-bound) (solvers.normalise_scores) and weights
+ * wv = 1 on valid elements; both 0 elsewhere, up to the padded length. */
+static void normalise_row(const float *x, const uint8_t *valid, int64_t n, float centre, float eps, float bound,
+                          float *u, float *wv) {
     for (int64_t j = 0; j < n; j++) {
         float v = (x[j] - centre) / eps;
         v = v < -bound ? -bound : (v > bound ? bound : v);
@@ -175,6 +175,13 @@ static void forward_row(const float *x, const uint8_t *valid, int64_t n, float c
         wv[j] = keep ? 1.0f : 0.0f;
     }
     for (int64_t j = n; j < padded(n); j++) { u[j] = 0.0f; wv[j] = 0.0f; }
+}
+
+static void forward_row(const float *x, const uint8_t *valid, int64_t n, float centre, float eps, float bound,
+                        int k, const float *tz0, const float *shift, const float *c, int ma, int mp, int sorted,
+                        double tol, int max_iter, int max_halvings, float *out, float *info, workspace *w) {
+    float *u = w->u, *wv = w->wv;
+    normalise_row(x, valid, n, centre, eps, bound, u, wv);
     double *s = w->d;
     double *s_t = s + mp, *rhs = s + 2 * mp, *dh = s + 3 * mp, *ppt = s + 6 * mp;
     double *ppt_t = ppt + mp * mp, *mat = ppt_t + mp * mp;
@@ -479,21 +486,16 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     const uint8_t *valid = a->valid ? a->valid + r * n : NULL;
     float *u = w->u, *wv = w->wv, *out = a->out + r * n, *info = a->info + 2 * r;
     float centre = a->centre[r], eps = a->eps[r], bound = a->bound;
+    normalise_row(x, valid, n, centre, eps, bound, u, wv);
     float u_min = INFINITY, u_max = -INFINITY;
     int64_t n_valid = 0;
     for (int64_t j = 0; j < n; j++) {
-        float v = (x[j] - centre) / eps;
-        v = v < -bound ? -bound : (v > bound ? bound : v);
-        int keep = valid == NULL || valid[j];
-        u[j] = keep ? v : 0.0f;
-        wv[j] = keep ? 1.0f : 0.0f;
-        if (keep) {
+        if (wv[j] > 0.0f) {
             n_valid++;
-            u_min = v < u_min ? v : u_min;
-            u_max = v > u_max ? v : u_max;
+            u_min = u[j] < u_min ? u[j] : u_min;
+            u_max = u[j] > u_max ? u[j] : u_max;
         }
     }
-    for (int64_t j = n; j < np; j++) { u[j] = 0.0f; wv[j] = 0.0f; }
     int k = a->k;
     if (n_valid <= k) {  /* nothing to select: every valid element is in */
         for (int64_t j = 0; j < n; j++) out[j] = wv[j];

@@ -291,6 +291,18 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bou
 
 
 @triton.jit
+def _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The unsorted output A and the upstream gradient G at elements start..start+BLOCK_N (0 where invalid)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    keep = offs_n < n
+    if HAS_MASK:
+        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
+    a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
+    g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+    return a, g, keep, offs_n
+
+
+@triton.jit
 def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, valid_ptr, eps_ptr, grad_ptr, n, HAS_MASK: tl.constexpr,
                                        BLOCK_N: tl.constexpr):
     """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (backward.sigmoid_grad)."""
@@ -298,24 +310,14 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, valid_ptr, eps_ptr, grad_
     num = tl.zeros((), dtype=tl.float32)
     den = tl.zeros((), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        keep = offs_n < n
-        if HAS_MASK:
-            keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
-        a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
-        g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+        a, g, keep, offs_n = _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
         w = a * (1.0 - a)
         num += tl.sum(g * w, axis=0)
         den += tl.sum(w, axis=0)
     mean_g = num / tl.maximum(den, 1.1754943508222875e-38)
     inv_eps = 1.0 / tl.load(eps_ptr + row)
     for start in range(0, n, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        keep = offs_n < n
-        if HAS_MASK:
-            keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
-        a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
-        g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+        a, g, keep, offs_n = _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
         grad = a * (1.0 - a) * (g - mean_g) * inv_eps
         tl.store(grad_ptr + row * n + offs_n, tl.where(keep, grad, 0.0), mask=offs_n < n)
 
