@@ -1,4 +1,7 @@
-"""The demo pipeline's pieces on a tiny slice: both BPE back-ends, toy data and files given by path."""
+"""The demo pipeline's pieces on a tiny slice: both BPE back-ends, toy data and files given by path, and the
+safety of re-running it (inputs checked first, workdirs never wiped, interrupted runs resumed)."""
+import dataclasses
+import hashlib
 import os
 
 import pytest
@@ -74,8 +77,9 @@ def test_pipeline_on_files_given_by_path(tmp_path):
         text.write_lines(data / f"{split}.fr", [p[1] for p in pairs])
     cfg = _tiny_config(tmp_path, train=data / "train", valid=data / "val", test=data / "test_2016",
                        max_lines=60)
-    run.run_pipeline(cfg)
-    rows = run.run_pipeline(cfg)  # a second run in the same workdir starts afresh
+    first = run.run_pipeline(cfg)
+    rows = run.run_pipeline(cfg)  # the same command again: everything is complete, nothing is redone
+    assert rows == first
     assert len(text.read_lines(tmp_path / "work" / "raw" / "train.en")) == 60
     assert len(text.read_lines(tmp_path / "work" / "logs" / "tf" / "test.beam1.fr")) == 6
     assert rows[0]["updates"] == 2
@@ -83,4 +87,102 @@ def test_pipeline_on_files_given_by_path(tmp_path):
 
 def test_pipeline_rejects_incomplete_file_arguments(tmp_path):
     with pytest.raises(SystemExit, match="--train, --valid and --test"):
-        run.prepare_raw(_tiny_config(tmp_path, train=tmp_path / "x"), str(tmp_path / "raw"))
+        run.run_pipeline(_tiny_config(tmp_path, train=tmp_path / "x"))
+    assert not (tmp_path / "work").exists()
+
+
+def _snapshot(root):
+    """Every file under ``root`` with its bytes' hash and modification time."""
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def _write_pairs(prefix, n, seed, langs=("en", "fr")):
+    pairs = toy_corpus.generate(n, seed)
+    text.write_lines(f"{prefix}.{langs[0]}", [p[0] for p in pairs])
+    text.write_lines(f"{prefix}.{langs[1]}", [p[1] for p in pairs])
+
+
+def test_a_finished_workdir_survives_bad_commands_and_an_interrupted_run_resumes(tmp_path, monkeypatch, capsys):
+    """Issue 17: a typo'd path or a different run pointed at a finished workdir changes nothing in it (byte for
+    byte); a run interrupted during the fine-tuning resumes with the same command -- completed stages are
+    skipped, an interrupted training continues from its own checkpoint_last.pt."""
+    cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10, topk_attn_k=2)
+    real = run.run_logged
+
+    def killed_at_soft_beam(cmd, log_path, env=None):
+        if log_path.endswith("train.ft_soft_beam.log"):
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C when this training started
+        return real(cmd, log_path, env)
+
+    monkeypatch.setattr(run, "run_logged", killed_at_soft_beam)
+    with pytest.raises(KeyboardInterrupt):
+        run.run_pipeline(cfg)
+    monkeypatch.setattr(run, "run_logged", real)
+    work = tmp_path / "work"
+    assert not (work / "results.md").exists()
+    # A kill after the soft beam fine-tuning's first update leaves its own checkpoint at update 1: make that
+    # checkpoint for real (the same fine-tuning command, stopped at 1 update).
+    one = dataclasses.replace(cfg, finetune_updates=1)
+    real([*run.fairseq_cmd("train"), *run.finetune_args(one, str(work / "bin"),
+                                                          str(work / "checkpoints" / "tf" / "checkpoint_last.pt"),
+                                                          str(work / "checkpoints" / "ft_soft_beam"),
+                                                          run.finetune_runs(one)["soft_beam"][1])],
+         str(tmp_path / "partial.log"), run.subprocess_env(cfg))
+    capsys.readouterr()
+    rows = run.run_pipeline(cfg)
+    out = capsys.readouterr().out
+    assert "resuming: completed stages are skipped" in out
+    for name in ("raw", "bpe", "bin", "train.tf", "train.ft_tf"):
+        assert f"already complete ({name}): skipped" in out
+    assert "resuming from" in out and "ft_soft_beam" in out
+    log = (work / "logs" / "train.ft_soft_beam.log").read_text()
+    assert "ft_soft_beam/checkpoint_last.pt (epoch 1 @ 1 updates)" in log  # continued, not restarted
+    assert "checkpoints/tf/checkpoint_last.pt" not in log and "num_updates 2" in log
+    assert len(rows) == 4 and (work / "results.md").exists()
+
+    finished = _snapshot(work)
+    with pytest.raises(SystemExit, match="missing file"):
+        run.run_pipeline(_tiny_config(tmp_path, train=tmp_path / "typo", valid=tmp_path / "v", test=tmp_path / "t"))
+    with pytest.raises(SystemExit, match="holds a different run.*max_update"):
+        run.run_pipeline(_tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10,
+                                      topk_attn_k=2, max_update=3))
+    assert _snapshot(work) == finished
+
+
+def test_a_directory_of_unknown_files_is_refused_not_wiped(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "thesis.tex").write_text("precious")
+    with pytest.raises(SystemExit, match="holds no run.json"):
+        run.run_pipeline(_tiny_config(tmp_path))
+    assert os.listdir(work) == ["thesis.tex"] and (work / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize("problem, match", [
+    ("unequal", r"3 lines in .en but 2 in .fr"),
+    ("empty", r"train.fr: empty file"),
+    ("latin1", r"train.fr: not UTF-8 text"),
+    ("missing", r"val.fr: missing file"),
+])
+def test_bad_input_files_are_one_line_errors_before_anything_is_written(tmp_path, problem, match):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "val", "test"):
+        _write_pairs(data / split, 3, 1)
+    if problem == "unequal":
+        text.write_lines(data / "train.fr", ["un", "deux"])
+    elif problem == "empty":
+        (data / "train.fr").write_text("")
+    elif problem == "latin1":
+        (data / "train.fr").write_bytes("caf\xe9\n".encode("latin-1") * 3)
+    else:
+        os.unlink(data / "val.fr")
+    with pytest.raises(SystemExit, match=match):
+        run.run_pipeline(_tiny_config(tmp_path, train=data / "train", valid=data / "val", test=data / "test"))
+    assert not (tmp_path / "work").exists()

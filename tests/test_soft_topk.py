@@ -231,6 +231,8 @@ def test_module_wrapper():
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "broadcast"),
     (dict(scaling="batch"), ValueError, "scaling"),
     (dict(method="lbfgs"), ValueError, "method"),
+    (dict(dim=2), ValueError, r"dim=2 is out of range for scores with 2 dimension\(s\) \(valid: -2..1\)"),
+    (dict(dim=-3), ValueError, "dim=-3 is out of range"),
 ])
 def test_clear_errors(bad, exc, match):
     kwargs = dict(scores=torch.tensor([[1.0, 2.0, 3.0]]), k=2)

@@ -164,6 +164,9 @@ def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
         raise TypeError(f"soft_topk: scores must be a floating-point tensor, got {scores.dtype}")
     if scores.dim() == 0:
         raise ValueError("soft_topk: scores must have at least one dimension")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
+        raise ValueError(f"soft_topk: dim={dim!r} is out of range for scores with {scores.dim()} dimension(s) "
+                         f"(valid: {-scores.dim()}..{scores.dim() - 1})")
     n = scores.shape[dim]
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"soft_topk: k must be an int, got {type(k).__name__}")

@@ -9,18 +9,21 @@ fairseq-generate -> sacrebleu, ending with a results table.
 Every fairseq step runs the real command line (``fairseq-train --user-dir user_dir ...``) in a
 subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table goes to stdout and to
 ``WORKDIR/results.md``.
+
+Safe to re-run (``workdir.py``): the inputs are checked before the workdir is touched, a workdir that holds a
+different run is refused (never wiped), and running the same command again after an interruption resumes --
+completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``.
 """
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from softtopk_fairseq.pipeline import text, toy_corpus
+from softtopk_fairseq.pipeline import text, toy_corpus, workdir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 USER_DIR = os.path.join(REPO_ROOT, "user_dir")
@@ -215,14 +218,17 @@ def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
     ]
 
 
-def finetune_args(cfg: Config, bin_dir: str, restore: str, save_dir: str, run_args: List[str]) -> List[str]:
-    """Continue from the pre-trained checkpoint for ``cfg.finetune_updates`` updates at a constant learning
-    rate (fresh optimizer and counters), with the run's criterion (and architecture) arguments; the same
-    batches for every run. Later ``--arch`` arguments override the pre-training's."""
+def finetune_args(cfg: Config, bin_dir: str, restore: Optional[str], save_dir: str,
+                  run_args: List[str]) -> List[str]:
+    """Continue from the pre-trained checkpoint ``restore`` for ``cfg.finetune_updates`` updates at a constant
+    learning rate (fresh optimizer and counters), with the run's criterion (and architecture) arguments; the
+    same batches for every run. Later ``--arch`` arguments override the pre-training's. ``restore=None``:
+    resume the fine-tuning itself from its own ``checkpoint_last.pt`` in ``save_dir``."""
+    start = [] if restore is None else ["--restore-file", restore, "--reset-optimizer", "--reset-lr-scheduler",
+                                        "--reset-meters", "--reset-dataloader"]
     return [
         bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed), *ARCH_ARGS[cfg.arch][cfg.size],
-        "--restore-file", restore, "--reset-optimizer", "--reset-lr-scheduler", "--reset-meters",
-        "--reset-dataloader", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+        *start, "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
         "--lr", str(cfg.finetune_lr), "--lr-scheduler", "fixed", *run_args,
         "--max-tokens", str(cfg.max_tokens), "--max-update", str(cfg.finetune_updates),
         "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates", "0",
@@ -293,44 +299,87 @@ def results_table(rows: List[dict], beams: List[int]) -> str:
     return "\n".join(lines)
 
 
+def _inputs(cfg: Config) -> List[str]:
+    """The raw files the run reads (none for the generated toy corpus), after checking every one of them."""
+    splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
+    if not any(splits.values()):
+        return []
+    missing = [name for name, prefix in splits.items() if not prefix]
+    if missing:
+        raise SystemExit(f"give --train, --valid and --test together (missing: {', '.join(missing)})")
+    workdir.check_inputs(splits, (cfg.src, cfg.tgt), cfg.max_lines)
+    return [f"{prefix}.{lang}" for prefix in splits.values() for lang in (cfg.src, cfg.tgt)]
+
+
+def _train(cmd_args: List[str], log_path: str, env: dict, save_dir: str) -> float:
+    """One fairseq-train run; says so when it continues from a checkpoint of an interrupted start."""
+    if os.path.isfile(os.path.join(save_dir, "checkpoint_last.pt")):
+        print(f"  resuming from {os.path.join(save_dir, 'checkpoint_last.pt')} (an earlier start was interrupted)")
+    start = time.time()
+    run_logged(fairseq_cmd("train") + cmd_args, log_path, env=env)
+    return time.time() - start
+
+
 def run_pipeline(cfg: Config) -> List[dict]:
     start = time.time()
+    inputs = _inputs(cfg)  # every input checked before the workdir is touched
+    resumed = workdir.claim(cfg.workdir, workdir.fingerprint(cfg, inputs))
+    stages = workdir.Stages(cfg.workdir)
     dirs = {name: os.path.join(cfg.workdir, name) for name in ("raw", "bpe", "bin", "checkpoints", "logs")}
-    for name in ("bin", "checkpoints"):
-        # A previous run's outputs would make fairseq-preprocess refuse and fairseq-train resume: start fresh.
-        shutil.rmtree(dirs[name], ignore_errors=True)
     for path in dirs.values():
         os.makedirs(path, exist_ok=True)
     env = subprocess_env(cfg)
     total = 6 if cfg.finetune_updates > 0 else 5
     source = "generated toy en->fr corpus" if not cfg.train else f"files {cfg.train}/{cfg.valid}/{cfg.test}"
-    print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}")
+    print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}"
+          + ("; resuming: completed stages are skipped" if resumed else ""))
+
+    def skipped(name):
+        if stages.done(name):
+            print(f"  already complete ({name}): skipped")
+            return True
+        return False
 
     with Stage(1, total, "raw text"):
-        raw = prepare_raw(cfg, dirs["raw"])
+        if not skipped("raw"):
+            workdir.Stages.clear(dirs["raw"])
+            prepare_raw(cfg, dirs["raw"])
+            stages.mark("raw")
+        raw = {split: os.path.join(dirs["raw"], split) for split in ("train", "valid", "test")}
         for split, prefix in raw.items():
             print(f"  {split}: {len(text.read_lines(prefix + '.' + cfg.src))} sentence pairs")
     with Stage(2, total, f"BPE ({cfg.bpe})"):
-        apply_bpe(cfg, raw, dirs["bpe"])
+        if not skipped("bpe"):
+            workdir.Stages.clear(dirs["bpe"])
+            apply_bpe(cfg, raw, dirs["bpe"])
+            stages.mark("bpe")
     with Stage(3, total, "fairseq-preprocess"):
-        binarize(dirs["bpe"], dirs["bin"], cfg.src, cfg.tgt, os.path.join(dirs["logs"], "preprocess.log"), env=env)
+        if not skipped("bin"):
+            workdir.Stages.clear(dirs["bin"])  # fairseq-preprocess refuses to overwrite a dictionary
+            binarize(dirs["bpe"], dirs["bin"], cfg.src, cfg.tgt, os.path.join(dirs["logs"], "preprocess.log"),
+                     env=env)
+            stages.mark("bin")
     runs = [("tf", "teacher forcing", cfg.max_update, cfg.arch)]
-    with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)") as stage:
-        run_logged(fairseq_cmd("train") + train_args(cfg, dirs["bin"], os.path.join(dirs["checkpoints"], "tf")),
-                   os.path.join(dirs["logs"], "train.tf.log"), env=env)
-    seconds = {"tf": stage.seconds}
+    seconds = {}
+    with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)"):
+        if not skipped("train.tf"):
+            save = os.path.join(dirs["checkpoints"], "tf")
+            took = _train(train_args(cfg, dirs["bin"], save), os.path.join(dirs["logs"], "train.tf.log"), env, save)
+            stages.mark("train.tf", {"seconds": took})
+        seconds["tf"] = stages.data("train.tf")["seconds"]
     if cfg.finetune_updates > 0:
         restore = os.path.join(dirs["checkpoints"], "tf", "checkpoint_last.pt")
         n = cfg.finetune_updates
         with Stage(5, total, f"fine-tuning from the same checkpoint, {n} updates each: teacher forcing, soft beam "
                              "search, top-k attention"):
             for key, (name, run_args) in finetune_runs(cfg).items():
-                start_run = time.time()
-                run_logged(fairseq_cmd("train") + finetune_args(cfg, dirs["bin"], restore,
-                                                                os.path.join(dirs["checkpoints"], f"ft_{key}"),
-                                                                run_args),
-                           os.path.join(dirs["logs"], f"train.ft_{key}.log"), env=env)
-                seconds[f"ft_{key}"] = time.time() - start_run
+                if not skipped(f"train.ft_{key}"):
+                    save = os.path.join(dirs["checkpoints"], f"ft_{key}")
+                    own = os.path.isfile(os.path.join(save, "checkpoint_last.pt"))
+                    took = _train(finetune_args(cfg, dirs["bin"], None if own else restore, save, run_args),
+                                  os.path.join(dirs["logs"], f"train.ft_{key}.log"), env, save)
+                    stages.mark(f"train.ft_{key}", {"seconds": took})
+                seconds[f"ft_{key}"] = stages.data(f"train.ft_{key}")["seconds"]
                 arch = run_args[run_args.index("--arch") + 1] if "--arch" in run_args else cfg.arch
                 runs.append((f"ft_{key}", name, cfg.max_update + n, arch))
     rows = []
@@ -338,11 +387,15 @@ def run_pipeline(cfg: Config) -> List[dict]:
         for key, run_name, updates, arch in runs:
             bleu = {}
             for beam in cfg.beams:
-                out_dir = os.path.join(dirs["logs"], key)
-                os.makedirs(out_dir, exist_ok=True)
-                bleu[beam] = generate_and_score(cfg, dirs["bin"],
-                                                os.path.join(dirs["checkpoints"], key, "checkpoint_last.pt"),
-                                                raw["test"], beam, out_dir)
+                name = f"generate.{key}.beam{beam}"
+                if not skipped(name):
+                    out_dir = os.path.join(dirs["logs"], key)
+                    os.makedirs(out_dir, exist_ok=True)
+                    score = generate_and_score(cfg, dirs["bin"],
+                                               os.path.join(dirs["checkpoints"], key, "checkpoint_last.pt"),
+                                               raw["test"], beam, out_dir)
+                    stages.mark(name, {"bleu": score})
+                bleu[beam] = stages.data(name)["bleu"]
                 print(f"  {run_name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
             rows.append({"run": run_name, "arch": arch, "updates": updates, "train_s": seconds[key],
                          "bleu": bleu})
@@ -350,7 +403,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
     table = results_table(rows, cfg.beams)
     elapsed = time.time() - start
     summary = f"{table}\n\nBPE: {cfg.bpe}; test sentences: {len(text.read_lines(raw['test'] + '.' + cfg.tgt))}; " \
-              f"total time: {elapsed:.0f} s"
+              f"total time: {elapsed:.0f} s" + (" (this resumed run)" if resumed else "")
     with open(os.path.join(cfg.workdir, "results.md"), "w", encoding="utf-8") as f:
         f.write(summary + "\n")
     print("\n" + summary)

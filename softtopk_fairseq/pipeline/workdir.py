@@ -1,0 +1,126 @@
+"""What makes the pipeline safe to re-run: every input is checked before the workdir is touched, a workdir
+belongs to one run, and an interrupted run resumes.
+
+* :func:`check_inputs` -- the raw files exist, are UTF-8, non-empty and line-aligned (empty lines are
+  reported, and kept); every problem is one line naming the file and the fix, raised before anything is
+  written.
+* :func:`claim` -- ``WORKDIR/run.json`` records what defines the run (the options that change its results
+  and the size and modification time of each input file). A fresh or empty workdir is claimed; one that
+  holds the same run is resumed; one that holds a different run, or files of unknown origin, is refused
+  with the differences listed -- never wiped.
+* :class:`Stages` -- a stage is complete when its marker ``WORKDIR/.stages/NAME.done`` exists, written only
+  after the stage finished; an incomplete stage's own outputs are cleared and redone (training stages
+  continue from fairseq's ``checkpoint_last.pt`` instead).
+"""
+import json
+import os
+import shutil
+from dataclasses import asdict
+from typing import Dict, List, Optional
+
+# Options that do not change a run's results: they may differ between a run and its resumption.
+NOT_PART_OF_THE_RUN = ("workdir", "threads")
+
+
+def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0) -> Dict[str, int]:
+    """Check the raw text files ``PREFIX.LANG`` of each split; returns split -> number of sentence pairs.
+    Raises SystemExit with one line per problem; prints a note on empty lines (they are kept)."""
+    problems, counts = [], {}
+    for split, prefix in splits.items():
+        lengths, empty = {}, {}
+        for lang in langs:
+            path = f"{prefix}.{lang}"
+            if not os.path.isfile(path):
+                problems.append(f"{path}: missing file (give --{split} PREFIX with PREFIX.{langs[0]} and "
+                                f"PREFIX.{langs[1]} both present)")
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    lines = [line.rstrip("\n") for line in f]
+            except UnicodeDecodeError as e:
+                problems.append(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
+                                f"iconv -f latin1 -t utf-8")
+                continue
+            if max_lines > 0 and split == "train":
+                lines = lines[:max_lines]
+            if not lines:
+                problems.append(f"{path}: empty file (no sentences to use for {split})")
+                continue
+            lengths[lang] = len(lines)
+            empty[lang] = sum(1 for line in lines if not line.strip())
+        if len(lengths) == 2 and len(set(lengths.values())) > 1:
+            a, b = langs
+            problems.append(f"{prefix}: {lengths[a]} lines in .{a} but {lengths[b]} in .{b}; the files must be "
+                            "line-aligned translations of each other")
+        elif len(lengths) == 2:
+            counts[split] = lengths[langs[0]]
+            for lang, n in empty.items():
+                if n:
+                    print(f"note: {prefix}.{lang} has {n} empty line(s); kept (as empty sentences)")
+    if problems:
+        raise SystemExit("input error:\n  " + "\n  ".join(problems))
+    return counts
+
+
+def fingerprint(cfg, input_files: List[str]) -> dict:
+    """What defines a run: its result-changing options and, per input file, its size and modification time."""
+    options = {k: v for k, v in asdict(cfg).items() if k not in NOT_PART_OF_THE_RUN}
+    files = {}
+    for path in input_files:
+        st = os.stat(path)
+        files[os.path.abspath(path)] = [st.st_size, int(st.st_mtime)]
+    return {"options": json.loads(json.dumps(options)), "inputs": files}
+
+
+def claim(workdir: str, run: dict) -> bool:
+    """Make ``workdir`` this run's; returns True when it resumes an earlier start of the same run. Refuses
+    (SystemExit) a workdir that holds another run, or files it cannot attribute to one."""
+    record = os.path.join(workdir, "run.json")
+    if os.path.isfile(record):
+        with open(record, encoding="utf-8") as f:
+            previous = json.load(f)
+        if previous == run:
+            return True
+        diff = sorted({k for k in set(previous["options"]) | set(run["options"])
+                       if previous["options"].get(k) != run["options"].get(k)})
+        if previous.get("inputs") != run["inputs"]:
+            diff.append("input files (paths, sizes or modification times)")
+        raise SystemExit(f"{workdir} holds a different run (it differs in: {', '.join(diff)}); nothing was "
+                         "changed. Use another --workdir, or delete that one yourself to start over.")
+    if os.path.isdir(workdir) and os.listdir(workdir):
+        raise SystemExit(f"{workdir} is not empty and holds no run.json of this pipeline; nothing was changed. "
+                         "Use another --workdir, or delete that one yourself.")
+    os.makedirs(workdir, exist_ok=True)
+    tmp = record + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=1, sort_keys=True)
+    os.replace(tmp, record)
+    return False
+
+
+class Stages:
+    """Completion markers of the pipeline's stages in ``WORKDIR/.stages``."""
+
+    def __init__(self, workdir: str):
+        self.dir = os.path.join(workdir, ".stages")
+        os.makedirs(self.dir, exist_ok=True)
+
+    def done(self, name: str) -> bool:
+        return os.path.isfile(os.path.join(self.dir, f"{name}.done"))
+
+    def mark(self, name: str, data: Optional[dict] = None) -> None:
+        """Record that ``name`` finished, with optional data (e.g. its wall time), atomically."""
+        path = os.path.join(self.dir, f"{name}.done")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(data or {}, f)
+        os.replace(path + ".tmp", path)
+
+    def data(self, name: str) -> dict:
+        with open(os.path.join(self.dir, f"{name}.done"), encoding="utf-8") as f:
+            return json.load(f)
+
+    @staticmethod
+    def clear(path: str) -> None:
+        """Remove an incomplete stage's own output directory (inside a workdir claimed by this run)."""
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
