@@ -35,3 +35,19 @@ def test_plot_operator_writes_both_figures(tmp_path):
     paths = plot_operator.main(["--out", str(tmp_path), "--epsilons", "0.01", "0.1"])
     for path in paths.values():
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_attention_keeps_matplotlib_debug_lines_out(tmp_path, caplog):
+    """fairseq leaves the root logger at DEBUG: drawing must not flood the terminal with matplotlib's records."""
+    import logging
+
+    import torch
+
+    from softtopk_fairseq.tools import plot_attention
+
+    logging.getLogger().setLevel(logging.DEBUG)
+    with caplog.at_level(logging.DEBUG):
+        plot_attention.plot({"softmax": torch.rand(3, 4), "soft": torch.rand(3, 4)}, list("abcd"), list("xyz"),
+                            str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").exists()
+    assert not [r for r in caplog.records if r.name.startswith("matplotlib") and r.levelno < logging.WARNING]

@@ -65,7 +65,10 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                             "or 'topk', the l-th best candidate (always k distinct beams)"})
     soft_beam_candidates: int = field(
         default=0, metadata={"help": "keep only the best M of the k*V candidates per sentence before the "
-                                     "relaxed top-k (0 = all, exact); the pruned-mass bound is logged"})
+                                     "relaxed top-k (0 = all, exact). Logged as pruned_mass: an upper bound, out "
+                                     "of k (the total rank mass), on the rank mass the pruned candidates would "
+                                     "get, per sentence and step -- a value near k (e.g. 5 at beam 5) means no "
+                                     "guarantee, not that all mass was pruned"})
 
 
 def _ddp_wrapper(model):

@@ -11,6 +11,7 @@ the inference mode of every top-k attention layer of the model. A model without 
 drawn with ``--modes softmax``. Source and target strings must be in the model's token space (after BPE).
 """
 import argparse
+import logging
 from typing import Dict, List, Optional
 
 import torch
@@ -62,6 +63,8 @@ def attention_maps(model, task, src, tgt, modes: List[str]) -> Dict[str, torch.T
 
 
 def plot(maps: Dict[str, torch.Tensor], src_tokens: List[str], tgt_tokens: List[str], out: str) -> None:
+    # fairseq leaves the root logger open to DEBUG records: keep matplotlib's font-cache chatter out.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
