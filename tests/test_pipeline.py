@@ -3,6 +3,7 @@ safety of re-running it (inputs checked first, workdirs never wiped, interrupted
 import dataclasses
 import hashlib
 import os
+import shutil
 
 import pytest
 
@@ -186,3 +187,36 @@ def test_bad_input_files_are_one_line_errors_before_anything_is_written(tmp_path
     with pytest.raises(SystemExit, match=match):
         run.run_pipeline(_tiny_config(tmp_path, train=data / "train", valid=data / "val", test=data / "test"))
     assert not (tmp_path / "work").exists()
+
+
+def test_pipeline_runs_from_an_installed_package_in_any_directory(tmp_path):
+    """`pip install .` (here: the wheel, into a target directory), then the pipeline from another directory:
+    the user dir fairseq gets and the C kernels' source come from the installed package, not the clone."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = tmp_path / "source"  # a copy: building writes build/ and *.egg-info next to the sources
+    shutil.copytree(repo, source, ignore=shutil.ignore_patterns(".venv", ".git", "work", "build", "*.egg-info",
+                                                                 "__pycache__", ".gpu", ".hypothesis"))
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)], check=True,
+                   capture_output=True)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *map(str, wheels.glob("*.whl"))],
+                   check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), SOFTTOPK_CACHE_DIR=str(tmp_path / "cache"))
+    probe = subprocess.run([sys.executable, "-c", "import softtopk_fairseq as s; print(s.__file__); print(s.user_dir())"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True)
+    module, user_dir = probe.stdout.split()
+    assert module.startswith(str(site)) and user_dir.startswith(str(site)) and os.path.isdir(user_dir)
+    assert (site / "softtopk_fairseq" / "ops" / "soft_topk_cpu.c").is_file()
+    out = subprocess.run([sys.executable, "-m", "softtopk_fairseq.pipeline", "--toy-sizes", "120", "10", "8",
+                          "--bpe-size", "80", "--size", "tiny", "--max-update", "2", "--max-tokens", "500",
+                          "--warmup", "1", "--beams", "1", "--finetune-updates", "0"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (elsewhere / "work" / "demo" / "results.md").is_file()  # the default workdir, in the current directory
+    assert f"--user-dir {user_dir}" in out.stdout

@@ -23,10 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import softtopk_fairseq
 from softtopk_fairseq.pipeline import text, toy_corpus, workdir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-USER_DIR = os.path.join(REPO_ROOT, "user_dir")
+# The user dir inside the package: the pipeline works from an installed package, not only from a clone.
+USER_DIR = softtopk_fairseq.user_dir()
 
 # Model sizes: "demo" learns the toy corpus in a few CPU minutes; "tiny" only checks that things run.
 ARCH_ARGS: Dict[str, Dict[str, List[str]]] = {
@@ -410,11 +412,17 @@ def run_pipeline(cfg: Config) -> List[dict]:
     return rows
 
 
+def _default_workdir() -> str:
+    in_clone = os.path.isfile(os.path.join(REPO_ROOT, "scripts", "demo.sh"))
+    return os.path.join(REPO_ROOT if in_clone else os.getcwd(), "work", "demo")
+
+
 def parse_args(argv: Optional[List[str]] = None) -> Config:
     p = argparse.ArgumentParser(prog="python -m softtopk_fairseq.pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default=os.path.join(REPO_ROOT, "work", "demo"),
-                   help="where data, checkpoints, logs and results.md go (default: work/demo)")
+    p.add_argument("--workdir", default=_default_workdir(),
+                   help="where data, checkpoints, logs and results.md go (default: work/demo in the clone, or "
+                        "in the current directory when the package is installed)")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="fr")
     p.add_argument("--train", help="prefix of raw training text (PREFIX.SRC, PREFIX.TGT); default: toy corpus")
