@@ -88,6 +88,23 @@ def test_collect_wmt14_reads_the_extracted_archives(tmp_path):
     assert text.read_lines(test + ".fr") == ["A & B", "l'homme"]
 
 
+def test_local_sgm_valid_and_test_files_are_read_as_segments(tmp_path):
+    """newstest-style SGML given as --test: its segments, not its markup lines, become the sentences (both the
+    PREFIX.LANG and the PREFIX.LANG.sgm spellings); plain text is used as is."""
+    doc = ('<refset setid="newstest2014" srclang="any">\n<doc docid="d1" genre="news">\n<p>\n'
+           '<seg id="1">Le chat &amp; le chien</seg>\n<seg id="2"> l&apos;homme </seg>\n</p>\n</doc>\n'
+           '<doc docid="d2">\n<seg id="3">fin</seg>\n</doc>\n</refset>\n')
+    (tmp_path / "news.en").write_text(doc.replace("refset", "srcset"), encoding="utf-8")
+    (tmp_path / "news.fr.sgm").write_text(doc, encoding="utf-8")
+    prefix = prepare.local_split(str(tmp_path / "news"), "test", str(tmp_path / "raw"))
+    assert prefix == str(tmp_path / "raw" / "test")
+    assert text.read_lines(prefix + ".fr") == ["Le chat & le chien", "l'homme", "fin"]
+    assert len(text.read_lines(prefix + ".en")) == 3
+    text.write_lines(tmp_path / "plain.en", ["a", "b"])
+    text.write_lines(tmp_path / "plain.fr", ["c", "d"])
+    assert prepare.local_split(str(tmp_path / "plain"), "valid", str(tmp_path / "raw")) == str(tmp_path / "plain")
+
+
 def test_prepare_rejects_mixed_or_missing_sources():
     with pytest.raises(SystemExit):
         prepare.parse_args(["--dest", "x", "--train", "a"])

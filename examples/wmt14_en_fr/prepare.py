@@ -8,8 +8,11 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
 
 1. ``--download``: fetch the WMT14 corpora (Europarl v7, Common Crawl, UN, News Commentary v9, 10^9
    French-English) into ``DEST/orig`` (skipped for archives already there), concatenate them as the
-   training set; newstest2013 is the validation set, newstest2014 (``full``) the test set. Without
-   ``--download``: ``--train/--valid/--test PREFIX`` name raw files ``PREFIX.en`` / ``PREFIX.fr``.
+   training set; newstest2013 is the validation set, newstest2014 (``full``) the test set. Offline: put the
+   archives (``os.path.basename`` of each URL in ``WMT14_URLS``) into ``DEST/orig`` yourself and run with
+   ``--download``; archives already there are not fetched, only extracted. Without ``--download``:
+   ``--train/--valid/--test PREFIX`` name raw files ``PREFIX.en`` / ``PREFIX.fr``; for ``--valid``/``--test``
+   these (or ``PREFIX.en.sgm`` / ``PREFIX.fr.sgm``) may be WMT SGML files, whose segments are extracted.
 2. Moses punctuation normalisation; with subword-nmt also Moses tokenisation (sentencepiece works on raw
    text); training pairs with an empty side, more than ``--max-len`` tokens or a length ratio above
    ``--max-ratio`` are dropped (fairseq's ``clean-corpus-n.perl 1 250`` with ratio 1.5).
@@ -91,6 +94,35 @@ def read_sgm(path: str) -> List[str]:
     """The segments of a WMT ``.sgm`` file, in order, with XML entities decoded."""
     with open(path, encoding="utf-8") as f:
         return [html.unescape(m.group(1)).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
+
+
+def is_sgm(path: str) -> bool:
+    """Whether ``path`` is a WMT SGML file (``<srcset>``/``<refset>``/``<tstset>`` with ``<seg>`` elements)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip().lower()
+    return head.startswith("<") and "<seg" in head
+
+
+def local_split(prefix: str, split: str, out: str) -> str:
+    """The prefix of plain, line-aligned text for a local ``--valid``/``--test`` PREFIX: PREFIX.LANG as is, or,
+    when it (or PREFIX.LANG.sgm) is a WMT SGML file, its segments extracted into ``out/SPLIT.LANG`` (read as
+    text, the markup lines would be binarized as sentences)."""
+    paths, sgm = {}, {}
+    for lang in LANGS:
+        plain, tagged = f"{prefix}.{lang}", f"{prefix}.{lang}.sgm"
+        paths[lang] = plain if os.path.exists(plain) else tagged if os.path.exists(tagged) else plain
+        sgm[lang] = os.path.exists(paths[lang]) and is_sgm(paths[lang])
+    if not any(sgm.values()):
+        return prefix
+    os.makedirs(out, exist_ok=True)
+    lines = {lang: read_sgm(paths[lang]) if sgm[lang] else text.read_lines(paths[lang]) for lang in LANGS}
+    if len(lines["en"]) != len(lines["fr"]):
+        raise SystemExit(f"{prefix}: {len(lines['en'])} segments in .en but {len(lines['fr'])} in .fr")
+    for lang in LANGS:
+        text.write_lines(os.path.join(out, f"{split}.{lang}"), lines[lang])
+    print(f"{split}: read {', '.join(paths[lang] for lang in LANGS if sgm[lang])} as WMT SGML "
+          f"({len(lines['en'])} segments)", flush=True)
+    return os.path.join(out, split)
 
 
 def collect_wmt14(orig: str, out: str) -> Tuple[str, str, str]:
@@ -195,7 +227,9 @@ def main(argv=None) -> None:
         download(dirs["orig"])
         prefixes = dict(zip(("train", "valid", "test"), collect_wmt14(dirs["orig"], os.path.join(dirs["orig"], "raw"))))
     else:
-        prefixes = {"train": args.train, "valid": args.valid, "test": args.test}
+        extracted = os.path.join(dirs["orig"], "raw")
+        prefixes = {"train": args.train, "valid": local_split(args.valid, "valid", extracted),
+                    "test": local_split(args.test, "test", extracted)}
     bpe = text.JointBPE(args.bpe, dirs["bpe"])
     pool = multiprocessing.Pool(args.workers) if args.workers > 1 else None
     try:
