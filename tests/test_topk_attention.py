@@ -47,6 +47,31 @@ def test_soft_mode_concentrates_on_k_keys_and_tends_to_hard():
     assert bool(((smooth * top5).sum(-1) > (plain * top5).sum(-1)).all())  # more mass on the top 5
 
 
+def test_perturbed_mode_tends_to_hard_and_trains_in_every_arch():
+    """--topk-attn-mode perturbed: tiny noise gives the hard top-k weights; in the three top-k archs a training
+    step with it (and eval with it) gives finite outputs and gradients on the attention parameters."""
+    torch.manual_seed(3)
+    scores = torch.stack([torch.randperm(40) for _ in range(8)]).double() * 0.25
+    hard = topk_attention_weights(scores, 5, mode="hard")
+    torch.testing.assert_close(topk_attention_weights(scores, 5, mode="perturbed", epsilon=1e-4, samples=4),
+                               hard, atol=1e-9, rtol=0)
+    smooth = topk_attention_weights(scores, 5, mode="perturbed", epsilon=0.5, samples=64)
+    top5 = torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(5, -1).indices, True)
+    assert bool(((smooth * top5).sum(-1) > (torch.softmax(scores, -1) * top5).sum(-1)).all())
+    d = dictionary(12)
+    ni = batch(d)["net_input"]
+    for arch in ("transformer_topk_attn", "lstm_topk_attn", "rnnsearch_topk_attn"):
+        model = build(arch, d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode="perturbed", topk_attn_samples=8)
+        out, _ = model(**ni)
+        out.pow(2).mean().backward()
+        assert torch.isfinite(out).all()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        assert {m.topk_mode for m in model.modules() if hasattr(m, "topk_mode")} == {"perturbed"}
+        assert {m.topk_samples for m in model.modules() if hasattr(m, "topk_samples")} == {8}
+        with torch.no_grad():
+            assert torch.isfinite(model.eval()(**ni)[0]).all()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_masked_keys_get_zero_weight_and_zero_gradient_and_nothing_is_nan(mode):
     torch.manual_seed(2)

@@ -42,11 +42,11 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
     (``before_softmax=True``), the rest mirrors its tail."""
 
     @classmethod
-    def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference) -> "TopkMultiheadAttention":
+    def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference, samples=16) -> "TopkMultiheadAttention":
         layer.__class__ = cls
         # PyTorch's fused attention would skip the scores; fairseq bypasses it when this flag is set.
         layer.skip_embed_dim_check = True
-        return layer.configure_topk(k, epsilon, mode, inference)
+        return layer.configure_topk(k, epsilon, mode, inference, samples)
 
     def forward(self, query, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask=None,
                 incremental_state=None, need_weights: bool = True, static_kv: bool = False, attn_mask=None,
@@ -83,9 +83,9 @@ class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
     """fairseq's LSTM ``AttentionLayer`` (dot-product scores over source positions) with top-k weights."""
 
     @classmethod
-    def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference) -> "TopkAttentionLayer":
+    def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference, samples=16) -> "TopkAttentionLayer":
         layer.__class__ = cls
-        return layer.configure_topk(k, epsilon, mode, inference)
+        return layer.configure_topk(k, epsilon, mode, inference, samples)
 
     def forward(self, input, source_hids, encoder_padding_mask):
         # input: bsz x input_embed_dim; source_hids: srclen x bsz x source_embed_dim
@@ -101,7 +101,10 @@ class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
 def add_topk_args(parser, layers: bool):
     parser.add_argument("--topk-attn-k", type=int, metavar="K", help="keys each query attends to")
     parser.add_argument("--topk-attn-epsilon", type=float, metavar="EPS",
-                        help="SOFT top-k temperature, in attention-logit units")
+                        help="SOFT top-k temperature, in attention-logit units (the noise's standard deviation "
+                             "with --topk-attn-mode perturbed)")
+    parser.add_argument("--topk-attn-samples", type=int, metavar="S",
+                        help="Gaussian perturbations per call with --topk-attn-mode perturbed (default 16)")
     parser.add_argument("--topk-attn-mode", choices=MODES, help="attention weights in training")
     parser.add_argument("--topk-attn-inference", choices=MODES + ("same",),
                         help="attention weights in eval mode / fairseq-generate ('same' = as in training)")
@@ -112,7 +115,7 @@ def add_topk_args(parser, layers: bool):
 
 def topk_options(args):
     return dict(k=args.topk_attn_k, epsilon=args.topk_attn_epsilon, mode=args.topk_attn_mode,
-                inference=args.topk_attn_inference)
+                inference=args.topk_attn_inference, samples=args.topk_attn_samples)
 
 
 def topk_defaults(args):
@@ -120,6 +123,7 @@ def topk_defaults(args):
     args.topk_attn_epsilon = getattr(args, "topk_attn_epsilon", 0.1)
     args.topk_attn_mode = getattr(args, "topk_attn_mode", "soft")
     args.topk_attn_inference = getattr(args, "topk_attn_inference", "same")
+    args.topk_attn_samples = getattr(args, "topk_attn_samples", 16)
 
 
 @register_model("transformer_topk_attn")

@@ -6,7 +6,10 @@ Given scores :math:`s_j` over the keys (``-inf`` = masked: padding, causal futur
 * ``"soft"``    -- SOFT top-k attention, :math:`\mathrm{softmax}(s + \log A^\varepsilon(s))` with
   :math:`A^\varepsilon` the unsorted SOFT top-k of the scores over the keys (so mass concentrates on about k
   keys, and training stays end to end);
-* ``"hard"``    -- hard top-k attention (Explicit Sparse Transformer): softmax over the k largest scores.
+* ``"hard"``    -- hard top-k attention (Explicit Sparse Transformer): softmax over the k largest scores;
+* ``"perturbed"`` -- as ``"soft"`` with ``A`` the perturbed top-k of Berthet et al. (``ops.perturbed_topk``:
+  the hard top-k averaged over ``samples`` Gaussian perturbations of standard deviation ``epsilon``, a
+  Monte-Carlo gradient). Random: each call draws fresh noise (torch's default generator).
 
 Rows with at most k valid keys attend to all of them (``A = 1`` there, so all three equal softmax); fully
 masked rows get all-zero weights (plain softmax would give NaN). ``log A``
@@ -16,18 +19,19 @@ is taken of ``A`` floored at ``LOG_FLOOR``: a key that far outside the top k get
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops import soft_topk
+from softtopk_fairseq.ops import perturbed_topk, soft_topk
 
-MODES = ("softmax", "soft", "hard")
+MODES = ("softmax", "soft", "hard", "perturbed")
 LOG_FLOOR = 1e-30
 
 
 def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilon: float = 0.1,
-                           dim: int = -1) -> Tensor:
+                           dim: int = -1, samples: int = 16) -> Tensor:
     """Attention weights along ``dim`` (summing to 1 over the valid keys; 0 on masked keys).
 
-    ``epsilon`` is the SOFT top-k temperature in the units of the scores. The computation runs in at least
-    float32 and returns ``scores.dtype``.
+    ``epsilon`` is the SOFT top-k temperature in the units of the scores (the noise's standard deviation for
+    ``"perturbed"``, which draws ``samples`` perturbations). The computation runs in at least float32 and
+    returns ``scores.dtype``.
     """
     if mode not in MODES:
         raise ValueError(f"topk_attention_weights: mode must be one of {MODES}, got {mode!r}")
@@ -41,8 +45,11 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilo
         kth = torch.topk(x, k, dim=dim).values.narrow(dim, k - 1, 1)
         x = x.masked_fill(x < kth, -torch.inf)
     else:
-        # soft_topk treats rows with <= k valid keys as "select all" (A = 1 on valid keys).
-        a = soft_topk(x, k, dim=dim, epsilon=epsilon)
+        # Both relaxations treat rows with <= k valid keys as "select all" (A = 1 on valid keys).
+        if mode == "soft":
+            a = soft_topk(x, k, dim=dim, epsilon=epsilon)
+        else:
+            a = perturbed_topk(x, k, dim=dim, sigma=epsilon, samples=samples)
         x = torch.where(valid, x + torch.log(a.clamp_min(LOG_FLOOR)), x)
     # A fully masked row (e.g. a padding query) would be softmax(-inf, ...) = NaN: give it zeros instead.
     alive = valid.any(dim=dim, keepdim=True)
@@ -57,13 +64,16 @@ class TopkAttentionMixin:
     topk_epsilon: float
     topk_mode: str
     topk_inference: str
+    topk_samples: int
 
-    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str):
+    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str, samples: int = 16):
         if mode not in MODES or inference not in MODES + ("same",):
             raise ValueError(f"top-k attention: mode {mode!r} / inference {inference!r} not in {MODES}")
-        if k < 1 or not epsilon > 0:
-            raise ValueError(f"top-k attention: need --topk-attn-k >= 1 and --topk-attn-epsilon > 0, got {k}, {epsilon}")
+        if k < 1 or not epsilon > 0 or samples < 1:
+            raise ValueError(f"top-k attention: need --topk-attn-k >= 1, --topk-attn-epsilon > 0 and "
+                             f"--topk-attn-samples >= 1, got {k}, {epsilon}, {samples}")
         self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
+        self.topk_samples = samples
         return self
 
     @property
@@ -74,4 +84,4 @@ class TopkAttentionMixin:
 
     def topk_weights(self, scores: Tensor, dim: int) -> Tensor:
         return topk_attention_weights(scores, self.topk_k, mode=self.active_topk_mode, epsilon=self.topk_epsilon,
-                                      dim=dim)
+                                      dim=dim, samples=getattr(self, "topk_samples", 16))
