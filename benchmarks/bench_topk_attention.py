@@ -23,6 +23,8 @@ VARIANTS = {
     "transformer_topk_attn hard, enc-dec": dict(arch="transformer_topk_attn", topk_attn_mode="hard"),
     "transformer_topk_attn soft, all three": dict(arch="transformer_topk_attn", topk_attn_mode="soft",
                                                   topk_attn_layers="encoder-decoder,decoder-self,encoder-self"),
+    "transformer_topk_attn perturbed (16 samples), enc-dec": dict(arch="transformer_topk_attn",
+                                                                  topk_attn_mode="perturbed", topk_attn_samples=16),
 }
 
 

@@ -10,7 +10,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("script,args,rows", [
     ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2"], 4),
-    ("bench_topk_attention.py", [], 5),
+    ("bench_topk_attention.py", [], 6),
 ])
 def test_benchmark_script_prints_its_table(script, args, rows):
     out = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, "--bsz", "4", "--src-len", "5",

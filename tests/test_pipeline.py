@@ -38,8 +38,11 @@ def _tiny_config(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("bpe,arch", [("subword_nmt", "transformer"), ("sentencepiece", "lstm")])
-def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch):
+def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch, capsys):
     rows = run.run_pipeline(_tiny_config(tmp_path, bpe=bpe, arch=arch))
+    out = capsys.readouterr().out
+    # fairseq-generate's per-sentence lines stay in its log, out of the terminal
+    assert "\nH-0\t" not in out and "H-0\t" in (tmp_path / "work" / "logs" / "tf" / "generate.beam1.log").read_text()
     assert [r["run"] for r in rows] == ["teacher forcing"]
     assert set(rows[0]["bleu"]) == {1, 2}
     assert all(0.0 <= b <= 100.0 for b in rows[0]["bleu"].values())

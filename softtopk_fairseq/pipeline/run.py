@@ -113,21 +113,25 @@ class Stage:
             print(f"== {self.label}: done in {self.seconds:.1f} s ==", flush=True)
 
 
-def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None) -> str:
-    """Run ``cmd``, streaming its output to stdout and ``log_path``; return the output; raise on failure."""
-    print("$ " + " ".join(cmd), flush=True)
+def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None, echo: bool = True) -> str:
+    """Run ``cmd``, streaming its output to ``log_path`` (and to stdout when ``echo``); return the output;
+    raise on failure, quoting the end of the log when it was not echoed."""
+    print("$ " + " ".join(cmd) + ("" if echo else f"  (output: {log_path})"), flush=True)
     lines = []
     with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
     ) as proc:
         for line in proc.stdout:
-            sys.stdout.write(line)
+            if echo:
+                sys.stdout.write(line)
             log.write(line)
             lines.append(line)
         proc.wait()
     sys.stdout.flush()
     if proc.returncode != 0:
-        raise RuntimeError(f"command failed with exit code {proc.returncode} (log: {log_path}): {' '.join(cmd)}")
+        tail = "" if echo else "\n" + "".join(lines[-20:])
+        raise RuntimeError(f"command failed with exit code {proc.returncode} (log: {log_path}): {' '.join(cmd)}"
+                           + tail)
     return "".join(lines)
 
 
@@ -274,7 +278,7 @@ def generate_and_score(cfg: Config, bin_dir: str, checkpoint: str, raw_test: str
             "--max-len-a", "1.5", "--max-len-b", "10", *KEEP_LAST_BATCH,
         ],
         os.path.join(out_dir, f"generate.beam{beam}.log"),
-        env=subprocess_env(cfg),
+        env=subprocess_env(cfg), echo=False,  # one line per sentence: the log keeps it, the terminal does not
     )
     hyps = {}
     for line in output.splitlines():
