@@ -32,7 +32,7 @@ from torch import Tensor
 from softtopk_fairseq.models.rnnsearch import RNNSearchModel
 from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
 from softtopk_fairseq.models.rnnsearch import rnnsearch_wmt14_en_fr
-from softtopk_fairseq.modules.topk_attention import MODES, TopkAttentionMixin
+from softtopk_fairseq.modules.topk_attention import DEFAULT_SAMPLES, MODES, TopkAttentionMixin
 
 ATTENTION_KINDS = ("encoder-decoder", "decoder-self", "encoder-self")
 
@@ -42,7 +42,8 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
     (``before_softmax=True``), the rest mirrors its tail."""
 
     @classmethod
-    def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference, samples=16) -> "TopkMultiheadAttention":
+    def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference,
+                samples=DEFAULT_SAMPLES) -> "TopkMultiheadAttention":
         layer.__class__ = cls
         # PyTorch's fused attention would skip the scores; fairseq bypasses it when this flag is set.
         layer.skip_embed_dim_check = True
@@ -83,7 +84,8 @@ class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
     """fairseq's LSTM ``AttentionLayer`` (dot-product scores over source positions) with top-k weights."""
 
     @classmethod
-    def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference, samples=16) -> "TopkAttentionLayer":
+    def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference,
+                samples=DEFAULT_SAMPLES) -> "TopkAttentionLayer":
         layer.__class__ = cls
         return layer.configure_topk(k, epsilon, mode, inference, samples)
 
@@ -104,7 +106,8 @@ def add_topk_args(parser, layers: bool):
                         help="SOFT top-k temperature, in attention-logit units (the noise's standard deviation "
                              "with --topk-attn-mode perturbed)")
     parser.add_argument("--topk-attn-samples", type=int, metavar="S",
-                        help="Gaussian perturbations per call with --topk-attn-mode perturbed (default 16)")
+                        help=f"Gaussian perturbations per call with --topk-attn-mode perturbed "
+                             f"(default {DEFAULT_SAMPLES})")
     parser.add_argument("--topk-attn-mode", choices=MODES, help="attention weights in training")
     parser.add_argument("--topk-attn-inference", choices=MODES + ("same",),
                         help="attention weights in eval mode / fairseq-generate ('same' = as in training)")
@@ -123,7 +126,7 @@ def topk_defaults(args):
     args.topk_attn_epsilon = getattr(args, "topk_attn_epsilon", 0.1)
     args.topk_attn_mode = getattr(args, "topk_attn_mode", "soft")
     args.topk_attn_inference = getattr(args, "topk_attn_inference", "same")
-    args.topk_attn_samples = getattr(args, "topk_attn_samples", 16)
+    args.topk_attn_samples = getattr(args, "topk_attn_samples", DEFAULT_SAMPLES)
 
 
 @register_model("transformer_topk_attn")

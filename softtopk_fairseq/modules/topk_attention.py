@@ -23,10 +23,11 @@ from softtopk_fairseq.ops import perturbed_topk, soft_topk
 
 MODES = ("softmax", "soft", "hard", "perturbed")
 LOG_FLOOR = 1e-30
+DEFAULT_SAMPLES = 16  # Gaussian perturbations per call of the "perturbed" mode
 
 
 def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilon: float = 0.1,
-                           dim: int = -1, samples: int = 16) -> Tensor:
+                           dim: int = -1, samples: int = DEFAULT_SAMPLES) -> Tensor:
     """Attention weights along ``dim`` (summing to 1 over the valid keys; 0 on masked keys).
 
     ``epsilon`` is the SOFT top-k temperature in the units of the scores (the noise's standard deviation for
@@ -66,7 +67,7 @@ class TopkAttentionMixin:
     topk_inference: str
     topk_samples: int
 
-    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str, samples: int = 16):
+    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str, samples: int = DEFAULT_SAMPLES):
         if mode not in MODES or inference not in MODES + ("same",):
             raise ValueError(f"top-k attention: mode {mode!r} / inference {inference!r} not in {MODES}")
         if k < 1 or not epsilon > 0 or samples < 1:
@@ -84,4 +85,4 @@ class TopkAttentionMixin:
 
     def topk_weights(self, scores: Tensor, dim: int) -> Tensor:
         return topk_attention_weights(scores, self.topk_k, mode=self.active_topk_mode, epsilon=self.topk_epsilon,
-                                      dim=dim, samples=getattr(self, "topk_samples", 16))
+                                      dim=dim, samples=getattr(self, "topk_samples", DEFAULT_SAMPLES))
