@@ -8,8 +8,8 @@ Eager PyTorch makes ~5 passes over the (rows, k+1, n) plan per Newton evaluation
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
 (``-march=native``) and cached under ``$SOFTTOPK_CACHE_DIR`` (default ``~/.cache/softtopk_fairseq``), keyed
 by the source, the flags, the compiler and the CPU's feature flags, so that a cache shared by different
-machines never hands one a binary built for another. When no compiler works, :func:`available` is False
-and ``backend="auto"`` uses the PyTorch path (with one warning).
+machines never hands one a binary built for another. When no compiler works, :func:`library` raises and
+``backend="auto"`` uses the PyTorch path with one warning (``backends.fall_back``).
 """
 import ctypes
 import hashlib
@@ -18,7 +18,6 @@ import platform
 import subprocess
 import tempfile
 import threading
-import warnings
 from typing import Optional
 
 import torch
@@ -105,18 +104,6 @@ def library() -> ctypes.CDLL:
         if _lib is None:
             raise RuntimeError(f"soft_topk: the fused CPU kernels could not be built ({_error})")
         return _lib
-
-
-def available() -> bool:
-    """Whether the CPU kernels are usable here; the first call compiles them (about a second)."""
-    try:
-        library()
-        return True
-    except RuntimeError as e:
-        if not getattr(available, "warned", False):
-            available.warned = True
-            warnings.warn(f"{e}; falling back to the PyTorch solver (backend='torch')", RuntimeWarning)
-        return False
 
 
 def padded_anchors(m: int) -> int:
