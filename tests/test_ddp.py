@@ -3,6 +3,7 @@
 CPU -- then ``ModuleProxyWrapper``), without fairseq's trainer: two processes, a different batch on each;
 after backward the gradients must be identical on both ranks, also for batches that compute L_SOFT alone
 (DDP only reduces in an iteration where its forward ran)."""
+import gc
 import json
 import os
 import socket
@@ -45,10 +46,21 @@ def _worker(rank, port, result_path, route):
         results[f"{rho} {mode}"] = dict(max_diff=float((gathered[0] - gathered[1]).abs().max()),
                                         scale=float(gathered[0].abs().max()), tf="tf_loss" in log,
                                         soft="soft_loss" in log)
+        del model, criterion, loss
+    # Tear down in lockstep: no DDP reducer left holding the gloo group, both ranks past their last
+    # collective before either destroys it (a CI run once died with "terminate called without an active
+    # exception" -- gloo threads torn down during interpreter exit).
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(results, f)
+    # The results are on disk: leave without the interpreter's shutdown, which destroys the remaining
+    # native threads in an order gloo does not promise to survive.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port():
