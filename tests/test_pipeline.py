@@ -223,3 +223,15 @@ def test_pipeline_runs_from_an_installed_package_in_any_directory(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (elsewhere / "work" / "demo" / "results.md").is_file()  # the default workdir, in the current directory
     assert f"--user-dir {user_dir}" in out.stdout
+    # Using the trained model from there too: translate and score with the installed package.
+    work = str(elsewhere / "work" / "demo")
+    out = subprocess.run([sys.executable, "-m", "softtopk_fairseq.pipeline", "translate", "--workdir", work,
+                          "--beam", "1"], input="a man rides a horse .\n\nthe dog runs .\n", cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(out.stdout.split("\n")) == 4 and out.stdout.split("\n")[1] == ""
+    out = subprocess.run([sys.executable, "-m", "softtopk_fairseq.pipeline", "score", "--workdir", work, "--test",
+                          os.path.join(work, "raw", "test"), "--beam", "1"], cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tf on " in out.stdout and "sacrebleu nrefs:1|" in out.stdout

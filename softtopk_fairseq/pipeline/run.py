@@ -13,6 +13,11 @@ subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table
 Safe to re-run (``workdir.py``): the inputs are checked before the workdir is touched, a workdir that holds a
 different run is refused (never wiped), and running the same command again after an interruption resumes --
 completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``.
+
+Using the trained models (``trained.py``; ``--help`` after the subcommand):
+
+    python -m softtopk_fairseq.pipeline translate --workdir W [--checkpoint tf] [--beam 5] < in.en > out.fr
+    python -m softtopk_fairseq.pipeline score --workdir W --test PREFIX [PREFIX ...]
 """
 import argparse
 import os
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import softtopk_fairseq
-from softtopk_fairseq.pipeline import text, toy_corpus, workdir
+from softtopk_fairseq.pipeline import text, toy_corpus, trained, workdir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The user dir inside the package: the pipeline works from an installed package, not only from a clone.
@@ -274,8 +279,8 @@ def generate_and_score(cfg: Config, bin_dir: str, checkpoint: str, raw_test: str
     output = run_logged(
         fairseq_cmd("generate") + [
             bin_dir, "--user-dir", USER_DIR, "--cpu", "--path", checkpoint, "--gen-subset", "test",
-            "--beam", str(beam), "--batch-size", "128", "--remove-bpe", text.REMOVE_BPE[cfg.bpe],
-            "--max-len-a", "1.5", "--max-len-b", "10", *KEEP_LAST_BATCH,
+            "--beam", str(beam), "--batch-size", str(trained.DECODE_BATCH), "--remove-bpe", text.REMOVE_BPE[cfg.bpe],
+            *[f"--{k.replace('_', '-')}={v}" for k, v in trained.MAX_LEN.items()], *KEEP_LAST_BATCH,
         ],
         os.path.join(out_dir, f"generate.beam{beam}.log"),
         env=subprocess_env(cfg), echo=False,  # one line per sentence: the log keeps it, the terminal does not
@@ -410,8 +415,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
     elapsed = time.time() - start
     summary = f"{table}\n\nBPE: {cfg.bpe}; test sentences: {len(text.read_lines(raw['test'] + '.' + cfg.tgt))}; " \
               f"total time: {elapsed:.0f} s" + (" (this resumed run)" if resumed else "")
-    with open(os.path.join(cfg.workdir, "results.md"), "w", encoding="utf-8") as f:
-        f.write(summary + "\n")
+    trained.write_results(cfg.workdir, summary)  # keeps the further test sets `score` added
     print("\n" + summary)
     return rows
 
@@ -462,8 +466,15 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
     return Config(**{k.replace("-", "_"): v for k, v in vars(args).items()})
 
 
+SUBCOMMANDS = ("translate", "score")  # using a finished workdir (trained.py); anything else runs the pipeline
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    run_pipeline(parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        trained.main(argv[0], argv[1:])
+    else:
+        run_pipeline(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -22,16 +22,18 @@ from typing import Dict, List, Optional
 NOT_PART_OF_THE_RUN = ("workdir", "threads")
 
 
-def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0) -> Dict[str, int]:
+def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0,
+                 flag: Optional[str] = None) -> Dict[str, int]:
     """Check the raw text files ``PREFIX.LANG`` of each split; returns split -> number of sentence pairs.
-    Raises SystemExit with one line per problem; prints a note on empty lines (they are kept)."""
+    Raises SystemExit with one line per problem; prints a note on empty lines (they are kept). ``flag``: the
+    command-line option the prefixes came from (default ``--SPLIT``)."""
     problems, counts = [], {}
     for split, prefix in splits.items():
         lengths, empty = {}, {}
         for lang in langs:
             path = f"{prefix}.{lang}"
             if not os.path.isfile(path):
-                problems.append(f"{path}: missing file (give --{split} PREFIX with PREFIX.{langs[0]} and "
+                problems.append(f"{path}: missing file (give {flag or '--' + split} PREFIX with PREFIX.{langs[0]} and "
                                 f"PREFIX.{langs[1]} both present)")
                 continue
             try:
@@ -103,13 +105,13 @@ class Stages:
 
     def __init__(self, workdir: str):
         self.dir = os.path.join(workdir, ".stages")
-        os.makedirs(self.dir, exist_ok=True)
 
     def done(self, name: str) -> bool:
         return os.path.isfile(os.path.join(self.dir, f"{name}.done"))
 
     def mark(self, name: str, data: Optional[dict] = None) -> None:
         """Record that ``name`` finished, with optional data (e.g. its wall time), atomically."""
+        os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"{name}.done")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(data or {}, f)
