@@ -45,6 +45,15 @@ def test_train_resume_generate(data_bin, tmp_path, arch):
     assert sorted(map(int, re.findall(r"^H-(\d+)\t", out, flags=re.M))) == list(range(12)), out[-3000:]
 
 
+def test_perturbed_relaxation_trains_from_the_command_line(data_bin, tmp_path):
+    """--soft-topk-method perturbed with its flags: trains, logs L_SOFT and the pruned-mass bound, and the same
+    seed gives the same losses (the noise comes from fairseq's seeded generator)."""
+    extra = ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.2", "--perturbed-samples", "4"]
+    logs = [fairseq("train", *train_args(data_bin, tmp_path / f"p{i}", "lstm", 2, *extra)).stdout for i in range(2)]
+    assert len(losses(logs[0])) == 2 and losses(logs[0]) == losses(logs[1]), logs[0][-3000:]
+    assert "pruned_mass=" in logs[0] and "soft_topk_method='perturbed'" in logs[0]
+
+
 def test_update_freq_and_seed_reproduce(data_bin, tmp_path):
     """Same seed -> identical losses; --update-freq 2 accumulates two --max-tokens batches per update."""
     runs = [fairseq("train", *train_args(data_bin, tmp_path / f"r{i}", "lstm", 3, "--update-freq", "2")).stdout

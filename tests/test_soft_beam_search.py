@@ -7,7 +7,7 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.sequence_generator import SequenceGenerator
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
-from softtopk_fairseq.modules.soft_beam_search import _pruned_mass_bound, soft_beam_search
+from softtopk_fairseq.modules.soft_beam_search import OptimalTransport, Perturbed, SoftmaxKTimes, soft_beam_search
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
 from softtopk_fairseq.ops import soft_topk, softmax_k_times
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
@@ -69,8 +69,13 @@ def test_small_epsilon_gives_sequence_generator_hypotheses(arch, bookkeeping):
     k = 4
     with torch.no_grad():
         out = run(model, sample, d, beam=k, epsilon=1e-4, bookkeeping=bookkeeping)
+    _assert_sequence_generator_hypotheses(model, sample, d, k, out, arch)
+    assert float(out.solver_error.max()) < 1e-6
+
+
+def _assert_sequence_generator_hypotheses(model, sample, d, k, out, arch):
     lengths = sample["target"].ne(d.pad()).sum(1)
-    for b in range(3):
+    for b in range(len(lengths)):
         src = sample["net_input"]["src_tokens"][b]
         src = src[src.ne(d.pad())].unsqueeze(0)
         n = int(lengths[b])
@@ -82,7 +87,21 @@ def test_small_epsilon_gives_sequence_generator_hypotheses(arch, bookkeeping):
         assert got == want, (arch, b)
         want_scores = torch.tensor([float(h["score"]) * n for h in hypos], dtype=torch.float64)
         torch.testing.assert_close(out.hypothesis_scores[b].double(), want_scores, rtol=1e-4, atol=1e-4)
-    assert float(out.solver_error.max()) < 1e-6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_sigma_perturbed_search_gives_sequence_generator_hypotheses(arch):
+    """sigma -> 0: the perturbed top-k is the hard top-k (noise far below the score gaps), so the search is
+    fairseq's beam search, as for epsilon -> 0."""
+    d = dictionary(20)
+    model = build(arch, d).eval()
+    sample = batch(d, bsz=3, tgt_lens=(4, 3, 6))
+    k = 4
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = run(model, sample, d, beam=k, relaxation="perturbed", epsilon=1e-7, samples=4)
+    _assert_sequence_generator_hypotheses(model, sample, d, k, out, arch)
+    assert float(out.solver_iterations.abs().sum()) == 0  # no solver
 
 
 def test_topk_bookkeeping_keeps_distinct_beams_where_argmax_can_collapse():
@@ -157,6 +176,38 @@ def test_soft_loss_matches_finite_differences(options):
     _finite_difference_check(model, lambda: run(model, sample, d, beam=3, **options).nll.sum())
 
 
+def test_perturbed_soft_loss_with_fixed_noise_matches_finite_differences(monkeypatch):
+    """With the noise fixed (the same seed for every evaluation), the perturbed A is piecewise constant in the
+    parameters: the loss's derivative is then the gradient with A held fixed, which finite differences check
+    to 1e-5 (the step is far too small to change which candidate a sample picks). A's own gradient -- the
+    Monte-Carlo Jacobian estimate -- is checked against the closed-form derivative of its expectation in
+    tests/test_perturbed_topk.py; here it must only change the gradient, not break it."""
+    from softtopk_fairseq.modules import soft_beam_search as search_module
+
+    class FixedA(Perturbed):
+        def relax(self, kept):
+            A, iterations, error = super().relax(kept)
+            return A.detach(), iterations, error
+
+    d = dictionary(10)
+    model = build("lstm", d)
+    sample = batch(d, bsz=2, tgt_lens=(4, 3))
+    options = dict(beam=3, relaxation="perturbed", epsilon=0.5, scaling="paper", samples=8, candidates=10)
+
+    def loss():
+        torch.manual_seed(0)  # the op draws its noise seed from torch's generator: the same noise every call
+        return run(model, sample, d, **options).nll.sum()
+
+    model.zero_grad()
+    loss().backward()
+    full = [p.grad.clone() for p in model.parameters()]
+    monkeypatch.setitem(search_module.RELAXATIONS, "perturbed", FixedA)
+    _finite_difference_check(model, loss)
+    fixed = [p.grad for p in model.parameters()]
+    assert all(torch.isfinite(g).all() for g in full)
+    assert any(not torch.allclose(a, b) for a, b in zip(full, fixed))  # A's Jacobian estimate contributes
+
+
 # ------------------------------------------------------------------------------------ pruning -----------
 
 def test_pruning_keeps_hypotheses_and_its_mass_bound_holds():
@@ -197,16 +248,35 @@ def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
         kept, idx = scores.topk(M, -1)
         A = soft_topk(kept, k, sorted=True, epsilon=epsilon)
         rest = scores.scatter(1, idx, -torch.inf)
-        eps = torch.full((5,), epsilon, dtype=torch.float64)
-        rel = torch.logsumexp((rest - kept[:, -1:]) / epsilon, -1)
-        bound = _pruned_mass_bound(A, kept, rel, eps, "ot")
+        bound = OptimalTransport(k, epsilon, "none").pruned_mass(A, kept, rest.clone())
         true = full.sum(-1).sum(-1) - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum(-1).sum(-1)
         assert bool((true <= bound + 1e-12).all()), (true, bound)
     # softmax_k_times, rank 0: the exact pruned mass S_p / (S_p + S).
     A2 = softmax_k_times(kept, 1, epsilon=epsilon)
-    got = _pruned_mass_bound(A2, kept, rel, eps, "softmax_k_times")
+    got = SoftmaxKTimes(1, epsilon, "none").pruned_mass(A2, kept, rest.clone())
     want = 1 - torch.softmax(scores / epsilon, -1).gather(1, idx).sum(-1)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("sigma", [0.3, 1.0, 3.0])
+def test_perturbed_pruned_mass_bound_bounds_the_full_problems_expectation(sigma):
+    """The perturbed bound holds for the expectation: checked against a large-sample estimate of the mass the
+    pruned candidates get in the full perturbed problem (its Monte-Carlo error is far below the margins)."""
+    from softtopk_fairseq.ops import perturbed_topk
+
+    torch.manual_seed(0)
+    k, M = 3, 8
+    scores = torch.randn(6, 40, dtype=torch.float64) * 2
+    kept, idx = scores.topk(M, -1)
+    full = perturbed_topk(scores, k, sigma=sigma, samples=20000, sorted=True,
+                          generator=torch.Generator().manual_seed(1))
+    true = k - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum((-1, -2))
+    rest = scores.scatter(1, idx, -torch.inf)
+    bound = Perturbed(k, sigma, "none").pruned_mass(None, kept, rest.clone())
+    assert bool((true <= bound + 0.01).all()), (true, bound)
+    assert bool((bound <= k * (1 + 1e-12)).all()) and bool((bound > 0).all())
+    if sigma == 0.3:  # small noise: the bound is informative, not the cap
+        assert float(bound.max()) < 0.5 * k
 
 
 # ------------------------------------------------------------------------------------ criterion ---------
@@ -275,7 +345,9 @@ def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):
 def test_criterion_rejects_bad_flags():
     task = TinyTask(dictionary(8))
     for kw, match in ((dict(rho=1.5), "teacher-forcing-ratio"), (dict(rho=0.5, soft_topk_epsilon=0), "epsilon"),
-                      (dict(rho=0.5, soft_beam_candidates=2), "candidates")):
+                      (dict(rho=0.5, soft_beam_candidates=2), "candidates"),
+                      (dict(rho=0.5, soft_topk_method="perturbed", perturbed_sigma=0), "perturbed-sigma"),
+                      (dict(rho=0.5, soft_topk_method="perturbed", perturbed_samples=0), "perturbed-samples")):
         rho = kw.pop("rho")
         with pytest.raises(ValueError, match=match):
             _criterion(task, rho, **kw)

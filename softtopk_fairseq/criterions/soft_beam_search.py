@@ -31,7 +31,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.dataclass import ChoiceEnum
 
-from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, RELAXATIONS, soft_beam_search
+from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS, soft_beam_search
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
@@ -44,12 +44,21 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                          "batch uses L_tf with probability rho, else L_SOFT -- the same "
                                          "objective in expectation at a fraction of the cost"})
     soft_beam_size: int = field(default=5, metadata={"help": "beam size k of the beam search run in training"})
-    soft_topk_method: ChoiceEnum(RELAXATIONS) = field(
-        default="ot", metadata={"help": "relaxed top-k: 'ot' (sorted SOFT top-k) or 'softmax_k_times' "
-                                        "(k successive softmaxes, the Goyal et al. 2018 style baseline)"})
+    soft_topk_method: ChoiceEnum(list(RELAXATIONS)) = field(
+        default="ot", metadata={"help": "relaxed top-k: 'ot' (sorted SOFT top-k), 'softmax_k_times' (k successive "
+                                        "softmaxes, the Goyal et al. 2018 style baseline) or 'perturbed' (the "
+                                        "hard top-k under Gaussian noise, Berthet et al. 2020; "
+                                        "--perturbed-sigma, --perturbed-samples)"})
     soft_topk_epsilon: float = field(
-        default=0.1, metadata={"help": "temperature of the relaxed top-k: the paper's normalised epsilon with "
-                                       "--soft-topk-scaling paper (for both methods); in nats with 'none'"})
+        default=0.1, metadata={"help": "temperature of 'ot' and 'softmax_k_times': the paper's normalised "
+                                       "epsilon with --soft-topk-scaling paper; in nats with 'none'"})
+    perturbed_sigma: float = field(
+        default=0.1, metadata={"help": "noise scale of --soft-topk-method perturbed, in the units of "
+                                       "--soft-topk-epsilon (normalised per sentence like the OT temperature "
+                                       "with --soft-topk-scaling paper; nats with 'none')"})
+    perturbed_samples: int = field(
+        default=PERTURBED_SAMPLES, metadata={"help": "Gaussian draws per decoding step of --soft-topk-method "
+                                                     "perturbed (the gradient's variance falls as 1/samples)"})
     soft_topk_scaling: ChoiceEnum(SCALINGS) = field(
         default="paper", metadata={"help": "'paper' (default, the paper's setting) divides the OT cost by its "
                                            "per-sentence maximum like the authors' code: temperature = epsilon * "
@@ -101,8 +110,9 @@ def run_inside_ddp_forward(model, fn):
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot",
-                 soft_topk_epsilon=0.1, soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None, soft_beam_candidates=0,
-                 soft_beam_bookkeeping="argmax"):
+                 soft_topk_epsilon=0.1, soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None,
+                 soft_beam_candidates=0, soft_beam_bookkeeping="argmax", perturbed_sigma=0.1,
+                 perturbed_samples=PERTURBED_SAMPLES):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
@@ -110,6 +120,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--soft-beam-size must be >= 1, got {soft_beam_size}")
         if not soft_topk_epsilon > 0:
             raise ValueError(f"--soft-topk-epsilon must be > 0, got {soft_topk_epsilon}")
+        if not (math.isfinite(perturbed_sigma) and perturbed_sigma > 0):
+            raise ValueError(f"--perturbed-sigma must be a finite number > 0, got {perturbed_sigma}")
+        if perturbed_samples < 1:
+            raise ValueError(f"--perturbed-samples must be >= 1, got {perturbed_samples}")
         if 0 < soft_beam_candidates < soft_beam_size:
             raise ValueError(f"--soft-beam-candidates ({soft_beam_candidates}) must be 0 or >= --soft-beam-size "
                              f"({soft_beam_size})")
@@ -117,10 +131,12 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError("soft_beam_search does not support --ignore-prefix-size")
         self.rho = teacher_forcing_ratio
         self.sample_mode = str(teacher_forcing_mode) == "sample"
+        method = str(soft_topk_method)
         self.search_options = dict(
-            beam=soft_beam_size, relaxation=str(soft_topk_method), epsilon=soft_topk_epsilon,
+            beam=soft_beam_size, relaxation=method,
+            epsilon=perturbed_sigma if method == "perturbed" else soft_topk_epsilon,
             scaling=str(soft_topk_scaling), tol=soft_topk_tol, max_iter=soft_topk_max_iter,
-            candidates=soft_beam_candidates, bookkeeping=str(soft_beam_bookkeeping))
+            candidates=soft_beam_candidates, bookkeeping=str(soft_beam_bookkeeping), samples=perturbed_samples)
         self.eos = task.target_dictionary.eos()
 
     def forward(self, model, sample, reduce=True):

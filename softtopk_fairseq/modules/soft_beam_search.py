@@ -3,7 +3,7 @@ r"""Differentiable beam search through any fairseq incremental encoder-decoder (
 For each target position ``t`` the decoder runs one incremental step for the ``k`` beams of every sentence
 (a batch of ``bsz*k``, like fairseq's ``SequenceGenerator``). The candidate scores are the cumulative
 log-likelihoods of the ``k*V`` extensions; a sorted relaxed top-k (:func:`~softtopk_fairseq.ops.soft_topk`
-or :func:`~softtopk_fairseq.ops.softmax_k_times`) gives ``A`` (candidates x ranks), and
+or softmax-k-times, or the perturbed top-k: :data:`RELAXATIONS`) gives ``A`` (candidates x ranks), and
 
 * the next input of beam ``l`` is ``sum_c A[c, l] * embed(token(c))`` (eq. (9), via :class:`SoftTokenInput`),
 * the next state of beam ``l`` is ``sum_i W[l, i] * state_i`` with ``W[l, i] = sum_{c from beam i} A[c, l]``
@@ -22,58 +22,142 @@ Choices this implementation makes (documented, tested):
   ``-sum_t log p(y_t | beam at step t)``.
 * Pruning: with ``candidates = M < k*V`` only the ``M`` best candidates per sentence (hard top-M) enter the
   relaxed top-k. :attr:`SoftBeamOutput.pruned_mass` bounds, per sentence and step, the rank mass the pruned
-  candidates would receive at the kept problem's solution (see :func:`_pruned_mass_bound`).
+  candidates would receive (each relaxation's :meth:`Relaxation.pruned_mass`).
 """
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
-from softtopk_fairseq.ops import effective_epsilon, soft_topk, softmax_k_times
+from softtopk_fairseq.ops import effective_epsilon, perturbed_topk, soft_topk, softmax_k_times
 
-RELAXATIONS = ("ot", "softmax_k_times")
 BOOKKEEPING = ("argmax", "topk")
+PERTURBED_SAMPLES = 16  # default Gaussian draws per step of the "perturbed" relaxation
 
 
 class SoftBeamOutput(NamedTuple):
     nll: Tensor               # (bsz,) L_SOFT per sentence: gold-token NLL along the best beam (differentiable)
     hypotheses: Tensor        # (bsz, k, T) hard tokens of the final beams, best first, eos then pad
     hypothesis_scores: Tensor  # (bsz, k) cumulative log-likelihood incl. eos, best first
-    solver_iterations: Tensor  # (steps,) mean solver iterations per step (0 for softmax_k_times)
-    solver_error: Tensor       # (steps,) max marginal error per step (0 for softmax_k_times)
+    solver_iterations: Tensor  # (steps,) mean solver iterations per step (0 without a solver)
+    solver_error: Tensor       # (steps,) max marginal error per step (0 without a solver)
     pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
 
 
-def _pruned_mass_bound(A: Tensor, kept: Tensor, pruned_log_sum: Tensor, eps: Tensor, relaxation: str) -> Tensor:
-    r"""Upper bound on the rank mass the pruned candidates would get, per row.
+class Relaxation:
+    """A relaxed sorted top-k of the candidate scores, ``A`` (rows, M, k); the variants override :meth:`relax`
+    and :meth:`pruned_mass`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
+    log-likelihood units with ``scaling="none"``, normalised per sentence with ``"paper"``."""
 
-    ``kept`` (rows, M) are the kept scores, ``A`` their relaxed top-k, ``x_w`` the weakest finite kept score and
-    ``pruned_log_sum`` :math:`= \log \sum_p e^{(x_p - x_w)/\varepsilon}` over the pruned candidates.
+    def __init__(self, k: int, epsilon: float, scaling: str):
+        self.k, self.epsilon, self.scaling = k, epsilon, scaling
 
-    OT: at the kept problem's dual potentials a candidate of score ``x`` gets
-    :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
-    candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
-    over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
-    the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). softmax_k_times: the exact
-    mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of ``exp(x / T)``).
-    """
-    weakest = torch.where(kept > -torch.inf, kept, torch.inf).argmin(-1, keepdim=True)
-    x_w = kept.gather(-1, weakest)
-    tiny = torch.finfo(A.dtype).tiny
-    if relaxation == "ot":
+    def temperature(self, scores: Tensor) -> Tensor:
+        """(rows,) the smoothing scale of each row (:func:`~softtopk_fairseq.ops.effective_epsilon`)."""
+        return effective_epsilon(scores, self.k, epsilon=self.epsilon, sorted=True, scaling=self.scaling)
+
+    def relax(self, kept: Tensor) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``A`` of the kept scores (-inf entries excluded), with the solver's mean iterations and max
+        marginal error (None without a solver)."""
+        raise NotImplementedError
+
+    def pruned_mass(self, A: Tensor, kept: Tensor, rest: Tensor) -> Tensor:
+        """(rows,) an upper bound on the rank mass (out of ``k``) the pruned candidates ``rest`` (-inf where
+        kept; overwritten) would get. ``kept``: the kept scores, best first, ``A`` their relaxation (no grad)."""
+        raise NotImplementedError
+
+    def _log_sum_rest(self, kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor]:
+        """``log sum_p exp((x_p - x_w) / T)`` over the pruned ``rest`` (in place), with ``x_w`` the weakest finite
+        kept score (if some kept ones are -inf, nothing finite was pruned: the sum is 0); returns it and x_w."""
+        x_w = torch.where(kept > -torch.inf, kept, torch.inf).amin(-1, keepdim=True)
+        return torch.log(rest.sub_(x_w).div_(temperature.unsqueeze(-1)).exp_().sum(-1)), x_w
+
+
+class OptimalTransport(Relaxation):
+    """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`)."""
+
+    def __init__(self, k, epsilon, scaling, tol=None, max_iter=None):
+        super().__init__(k, epsilon, scaling)
+        self.tol, self.max_iter = tol, max_iter
+
+    def relax(self, kept):
+        A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
+                            max_iter=self.max_iter, return_info=True)
+        return A, info.iterations.detach().float().mean(), info.error.detach().max()
+
+    def pruned_mass(self, A, kept, rest):
+        r"""At the kept problem's dual potentials a candidate of score ``x`` gets
+        :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
+        candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
+        over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
+        the weakest kept candidate's rest mass (capped at ``k``, the total rank mass)."""
+        log_rest, x_w = self._log_sum_rest(kept, rest, self.temperature(kept))
+        weakest = torch.where(kept > -torch.inf, kept, torch.inf).argmin(-1, keepdim=True)
+        tiny = torch.finfo(A.dtype).tiny
         rank_mass = A.gather(1, weakest.unsqueeze(-1).expand(-1, 1, A.shape[-1])).squeeze(1).sum(-1)
-        log_bound = torch.log(rank_mass.clamp_min(tiny)) - torch.log((1 - rank_mass).clamp_min(tiny)) \
-            + pruned_log_sum
-        return torch.exp(log_bound.clamp(max=math.log(A.shape[-1])))  # the pruned mass is at most k anyway
-    # softmax_k_times: rank l removes the hard top-l kept candidates from the denominator.
-    logits = (kept - x_w) / eps.unsqueeze(-1)
-    top = torch.sort(logits, -1, descending=True).values[..., : A.shape[-1]]
-    lse_all = torch.logsumexp(logits, -1, keepdim=True)
-    removed = torch.cumsum(torch.exp(top - lse_all), -1) - torch.exp(top - lse_all)  # mass of the top-l
-    lse_kept = lse_all + torch.log((1 - removed).clamp_min(tiny))
-    return torch.sigmoid(pruned_log_sum.unsqueeze(-1) - lse_kept).sum(-1)
+        log_bound = torch.log(rank_mass.clamp_min(tiny)) - torch.log((1 - rank_mass).clamp_min(tiny)) + log_rest
+        return torch.exp(log_bound.clamp(max=math.log(self.k)))  # the pruned mass is at most k anyway
+
+
+class SoftmaxKTimes(Relaxation):
+    """k successive softmaxes, rank ``l`` removing the hard top-l (:func:`~softtopk_fairseq.ops.softmax_k_times`),
+    at the temperature SOFT top-k would use."""
+
+    def relax(self, kept):
+        return softmax_k_times(kept, self.k, epsilon=self.epsilon, scaling=self.scaling), None, None
+
+    def pruned_mass(self, A, kept, rest):
+        """Exact: the mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of
+        ``exp(x / T)``)."""
+        temperature = self.temperature(kept)
+        log_rest, x_w = self._log_sum_rest(kept, rest, temperature)
+        tiny = torch.finfo(A.dtype).tiny
+        logits = (kept - x_w) / temperature.unsqueeze(-1)
+        top = torch.sort(logits, -1, descending=True).values[..., : self.k]
+        lse_all = torch.logsumexp(logits, -1, keepdim=True)
+        removed = torch.cumsum(torch.exp(top - lse_all), -1) - torch.exp(top - lse_all)  # mass of the top-l
+        lse_kept = lse_all + torch.log((1 - removed).clamp_min(tiny))
+        return torch.sigmoid(log_rest.unsqueeze(-1) - lse_kept).sum(-1)
+
+
+class Perturbed(Relaxation):
+    """The perturbed sorted top-k of Berthet et al. (:func:`~softtopk_fairseq.ops.perturbed_topk`), with
+    noise scale ``sigma = epsilon`` per row through :meth:`temperature` -- the same per-sentence normalisation
+    as the OT temperature with ``scaling="paper"``. The hard top-k does not change when all scores are divided
+    by one positive number, so ``top-k(x + sigma Z) = top-k(x / sigma + Z)``: the operator runs at sigma 1 on
+    the scores divided by each row's sigma (differentiable in it, as the OT temperature is)."""
+
+    def __init__(self, k, epsilon, scaling, samples=PERTURBED_SAMPLES):
+        super().__init__(k, epsilon, scaling)
+        self.samples = samples
+
+    def relax(self, kept):
+        sigma = self.temperature(kept).unsqueeze(-1)
+        return perturbed_topk(kept / sigma, self.k, sigma=1.0, samples=self.samples, sorted=True), None, None
+
+    def pruned_mass(self, A, kept, rest):
+        r"""A pruned candidate ``p`` (``x_p <= x_k``, the k-th best kept score) holds a rank of
+        ``top-k(x + sigma Z)`` only if it beats one of the k best kept candidates ``j``, so its rank mass is at
+        most :math:`\sum_{j \le k} \Phi((x_p - x_j) / (\sigma\sqrt 2)) \le k\,\Phi((x_p - x_k)/(\sigma\sqrt 2))`
+        -- a bound on the expectation, not on the Monte-Carlo estimate; summed over ``p``, capped at ``k``."""
+        sigma = self.temperature(kept).unsqueeze(-1)
+        x_k = kept[:, self.k - 1: self.k]
+        live = (rest > -torch.inf) & (x_k > -torch.inf)
+        z = torch.where(live, (rest - torch.where(live, x_k, 0.0)) / (sigma * math.sqrt(2.0)), -torch.inf)
+        log_bound = math.log(self.k) + torch.logsumexp(torch.special.log_ndtr(z), -1)
+        return torch.exp(log_bound.clamp(max=math.log(self.k)))
+
+
+RELAXATIONS = {"ot": OptimalTransport, "softmax_k_times": SoftmaxKTimes, "perturbed": Perturbed}
+
+
+def make_relaxation(name: str, k: int, epsilon: float, scaling: str, **options) -> Relaxation:
+    """The relaxation called ``name`` (a key of :data:`RELAXATIONS`); ``options`` go to its constructor."""
+    if name not in RELAXATIONS:
+        raise ValueError(f"soft_beam_search: relaxation must be one of {tuple(RELAXATIONS)}, got {name!r}")
+    return RELAXATIONS[name](k, epsilon, scaling, **options)
 
 
 def _log_probs(model, net_output) -> Tensor:
@@ -88,16 +172,19 @@ def _log_probs(model, net_output) -> Tensor:
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
                      beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
-                     candidates: int = 0, bookkeeping: str = "argmax") -> SoftBeamOutput:
+                     candidates: int = 0, bookkeeping: str = "argmax",
+                     samples: int = PERTURBED_SAMPLES) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
     Args:
         target: (bsz, T) gold tokens, right-padded with ``pad``, each row ending in ``eos``.
-        beam: k. relaxation: ``"ot"`` (sorted SOFT top-k) or ``"softmax_k_times"``.
-        epsilon, scaling: the relaxation's temperature, in units of log-likelihood with ``scaling="none"``,
-            normalised per sentence with ``"paper"`` (for both relaxations: ``softmax_k_times`` then uses the
-            temperature ``soft_topk`` would). tol, max_iter: passed to ``soft_topk``.
+        beam: k. relaxation: ``"ot"`` (sorted SOFT top-k), ``"softmax_k_times"`` or ``"perturbed"`` (see
+            :data:`RELAXATIONS`).
+        epsilon, scaling: the relaxation's temperature (the noise scale sigma for ``"perturbed"``), in units of
+            log-likelihood with ``scaling="none"``, normalised per sentence with ``"paper"`` (for every
+            relaxation: the others then use the temperature ``soft_topk`` would). tol, max_iter: passed to
+            ``soft_topk``. samples: Gaussian draws per step of ``"perturbed"``.
         candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all).
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
             ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
@@ -105,14 +192,15 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     """
     if bookkeeping not in BOOKKEEPING:
         raise ValueError(f"soft_beam_search: bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
-    if relaxation not in RELAXATIONS:
-        raise ValueError(f"soft_beam_search: relaxation must be one of {RELAXATIONS}, got {relaxation!r}")
     decoder = model.decoder
     embed = getattr(decoder, "embed_tokens", None)
     if embed is None:
         raise TypeError(f"soft_beam_search: {type(decoder).__name__} has no embed_tokens module to feed soft "
                         "tokens through")
     k = beam
+    options = dict(tol=tol, max_iter=max_iter) if relaxation == "ot" else \
+        dict(samples=samples) if relaxation == "perturbed" else {}
+    relax = make_relaxation(relaxation, k, epsilon, scaling, **options)
     bsz, T = target.shape
     device = target.device
     lengths = target.ne(pad).sum(1)  # incl. eos
@@ -161,23 +249,13 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                     top, kept_idx = torch.topk(cand, candidates, dim=1)
                 kept = cum.gather(1, kept_idx // V) + lprobs.view(bsz, k * V).gather(1, kept_idx)
                 kept = kept.masked_fill(top == -torch.inf, -torch.inf)  # banned tokens and dead beams stay out
-            if relaxation == "ot":
-                A, info = soft_topk(kept, k, sorted=True, epsilon=epsilon, scaling=scaling, tol=tol,
-                                    max_iter=max_iter, return_info=True)
-                iters.append(info.iterations.detach().float().mean())
-                errs.append(info.error.detach().max())
-            else:
-                A = softmax_k_times(kept, k, epsilon=epsilon, scaling=scaling)
-                iters.append(lprobs.new_zeros(()))
-                errs.append(lprobs.new_zeros(()))
+            A, iterations, error = relax.relax(kept)
+            iters.append(iterations if iterations is not None else lprobs.new_zeros(()))
+            errs.append(error if error is not None else lprobs.new_zeros(()))
             if not exact:
                 with torch.no_grad():
-                    eps = effective_epsilon(top, k, epsilon=epsilon, sorted=True, scaling=scaling)
-                    # log sum_p exp((x_p - x_w) / eps) over the pruned candidates, in place on cand; x_w is the
-                    # weakest finite kept score (if some kept ones are -inf, nothing finite was pruned: sum 0).
-                    x_w = torch.where(top > -torch.inf, top, torch.inf).amin(-1, keepdim=True)
-                    z = cand.sub_(x_w).div_(eps.unsqueeze(-1)).exp_().scatter_(1, kept_idx, 0.0)
-                    pruned += _pruned_mass_bound(A.detach(), top, torch.log(z.sum(-1)), eps, relaxation).float()
+                    rest = cand.scatter_(1, kept_idx, -torch.inf)  # the pruned candidates (cand is not reused)
+                    pruned += relax.pruned_mass(A.detach(), top, rest).float()
 
             # Hard bookkeeping: the argmax candidate of each rank (App. I.2), or the hard top-k of the scores
             # (its eps -> 0 limit, always k distinct candidates).
