@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from softtopk_fairseq.modules.soft_beam_search import PERTURBED_SAMPLES, RELAXATIONS
+
 ARCHS = {
     "lstm": dict(arch="lstm", encoder_embed_dim=128, decoder_embed_dim=128, encoder_hidden_size=256,
                  decoder_hidden_size=256, decoder_out_embed_dim=128, encoder_bidirectional=True,
@@ -108,7 +110,8 @@ def child(cfg):
     else:
         criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=cfg["rho"],
                                             soft_beam_size=cfg["beam"], soft_beam_candidates=cfg["candidates"],
-                                            soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"])
+                                            soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"],
+                                            perturbed_samples=cfg["samples"])
     seconds, log, peak = time_updates(model, criterion, sample, device, cfg["repeats"])
     print(json.dumps({"seconds": seconds, "peak_mib": peak,
                       "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),
@@ -141,13 +144,15 @@ def main():
                    help="--soft-beam-candidates values to run (0 = all k*V, exact)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--rho", type=float, default=0.8)
-    p.add_argument("--method", default="ot", choices=["ot", "softmax_k_times"])
+    p.add_argument("--methods", nargs="+", default=["ot"], choices=list(RELAXATIONS),
+                   help="--soft-topk-method values to run (each at the criterion's default temperature / sigma)")
+    p.add_argument("--perturbed-samples", type=int, default=PERTURBED_SAMPLES)
     p.add_argument("--scaling", default="paper", choices=["paper", "none"], help="--soft-topk-scaling")
     add_batch_arguments(p, repeats=3)
     a = p.parse_args()
     if a.child:
         return child(json.loads(a.child))
-    base = dict(batch_config(a), beam=a.beam, rho=a.rho, method=a.method, scaling=a.scaling)
+    base = dict(batch_config(a), beam=a.beam, rho=a.rho, scaling=a.scaling, samples=a.perturbed_samples)
 
     def measure(**cfg):
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**base, **cfg})],
@@ -157,19 +162,21 @@ def main():
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     print(f"batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, beam {a.beam}, rho {a.rho}, "
-          f"{a.method}, scaling {a.scaling}, {a.threads} threads, {a.device}, median of {a.repeats} updates")
-    print("| arch | criterion | candidates M | s / update | x teacher forcing | peak MiB | x TF peak | "
+          f"scaling {a.scaling}, perturbed samples {a.perturbed_samples}, {a.threads} threads, {a.device}, "
+          f"median of {a.repeats} updates")
+    print("| arch | criterion | method | candidates M | s / update | x teacher forcing | peak MiB | x TF peak | "
           "pruned-mass bound / step | solver iters |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for arch in a.archs:
-        tf = measure(arch=arch, criterion="tf", candidates=0)
-        print(f"| {arch} | label_smoothed_cross_entropy | - | {tf['seconds']:.3f} | 1.00 | {tf['peak_mib']:.0f} "
+        tf = measure(arch=arch, criterion="tf", candidates=0, method="ot")
+        print(f"| {arch} | label_smoothed_cross_entropy | - | - | {tf['seconds']:.3f} | 1.00 | {tf['peak_mib']:.0f} "
               f"| 1.00 | - | - |", flush=True)
-        for m in a.candidates:
+        for method, m in ((method, m) for method in a.methods for m in a.candidates):
             label = "all (exact)" if m <= 0 else str(m)
-            rows = [(f"soft_beam_search, rho {a.rho}, sum", measure(arch=arch, criterion="soft", candidates=m))]
+            rows = [(f"soft_beam_search, rho {a.rho}, sum",
+                     measure(arch=arch, criterion="soft", candidates=m, method=method))]
             if 0 < a.rho < 1:
-                only = measure(arch=arch, criterion="soft", candidates=m, rho=0.0)
+                only = measure(arch=arch, criterion="soft", candidates=m, rho=0.0, method=method)
                 rows.append(("soft_beam_search, rho 0 (L_SOFT only)", only))
                 # --teacher-forcing-mode sample: one of the two losses per batch, so its expected update time
                 # is the rho-weighted mean of the two measured times.
@@ -177,9 +184,10 @@ def main():
                              dict(only, seconds=a.rho * tf["seconds"] + (1 - a.rho) * only["seconds"],
                                   peak_mib=max(tf["peak_mib"], only["peak_mib"]))))
             for name, r in rows:
-                print(f"| {arch} | {name} | {label} | {r['seconds']:.3f} | {r['seconds'] / tf['seconds']:.2f} "
+                print(f"| {arch} | {name} | {method} | {label} | {r['seconds']:.3f} | {r['seconds'] / tf['seconds']:.2f} "
                       f"| {r['peak_mib']:.0f} | {r['peak_mib'] / tf['peak_mib']:.2f} | {r['pruned_mass']:.2e} "
                       f"| {r['iters']:.1f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

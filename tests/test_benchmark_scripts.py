@@ -9,7 +9,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("script,args,rows", [
-    ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2"], 4),
+    ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2", "--methods", "ot", "perturbed"], 7),
     ("bench_topk_attention.py", [], 6),
 ])
 def test_benchmark_script_prints_its_table(script, args, rows):
@@ -27,7 +27,18 @@ def test_operator_benchmark_prints_its_table():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| generic")]
-    assert len(rows) == 1 and rows[0].count("|") == 17, out.stdout
+    assert len(rows) == 1 and rows[0].count("|") == 18, out.stdout
+
+
+def test_perturbed_gradient_variance_prints_its_table():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "perturbed_gradient_variance.py"), "--shapes", "generic",
+                          "--samples", "2", "--seeds", "3", "--threads", "1"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 2 * 2 + 1, out.stdout  # header, (unsorted, sorted) x control variate, criterion
+    spreads = [float(line.split("|")[-2]) for line in rows[1:]]
+    assert all(s > 0 for s in spreads)  # a Monte-Carlo estimate: never exactly the same over seeds
 
 
 def test_multi30k_study_reports_and_plots_recorded_runs(tmp_path):

@@ -1,0 +1,100 @@
+"""How noisy is the perturbed top-k's gradient? The spread of its Monte-Carlo estimate across seeds, relative to
+its mean, at the operator benchmark's shapes and through the soft beam-search criterion.
+
+    .venv/bin/python benchmarks/perturbed_gradient_variance.py [--seeds 20] [--samples 10 100]
+
+Figure: ``||std over seeds of the gradient||_2 / ||mean over seeds of the gradient||_2`` (elementwise std and
+mean over ``--seeds`` independent noise draws, then the norms over all elements). 1.0 means the noise is as large
+as the signal; SOFT top-k and softmax-k-times are deterministic (0). Operator rows: ``perturbed_topk`` at the
+shapes of ``bench_soft_topk.py`` (k = 5, sigma = 0.1 on the paper-normalised scale of the scores, i.e. the
+scores divided by each row's ``effective_epsilon / epsilon``), loss = a fixed random linear function of the
+output, with and without the control variate. Criterion rows: the gradient of L_SOFT (rho 0) with respect to
+all parameters of ``bench_soft_beam.py``'s demo LSTM on a small batch, ``--soft-topk-method perturbed`` (paper
+scaling, sigma 0.1, M = 50).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_soft_topk import K, SHAPES, make_scores  # noqa: E402
+
+from softtopk_fairseq.ops import effective_epsilon, perturbed_topk  # noqa: E402
+
+SIGMA = 0.1
+
+
+def relative_spread(grads):
+    g = torch.stack([x.flatten().double() for x in grads])
+    return float(g.std(0).norm() / g.mean(0).norm())
+
+
+def operator_rows(shapes, samples_list, seeds, sorted_output):
+    gen = torch.Generator().manual_seed(0)
+    for name in shapes:
+        rows, n = SHAPES[name]
+        x = make_scores(name, rows, n, gen)
+        # sigma on the paper's per-row normalised scale, as the criterion and the benchmark's epsilon use it
+        scale = effective_epsilon(x, K, epsilon=1.0, sorted=sorted_output, scaling="paper").unsqueeze(-1)
+        w = torch.randn(*x.shape, *((K,) if sorted_output else ()), generator=gen)
+        for samples in samples_list:
+            for cv in (True, False):
+                grads = []
+                for seed in range(seeds):
+                    xg = x.clone().requires_grad_()
+                    out = perturbed_topk(xg / scale, K, sigma=SIGMA, samples=samples, sorted=sorted_output,
+                                         generator=torch.Generator().manual_seed(seed), control_variate=cv)
+                    (out * w).sum().backward()
+                    grads.append(xg.grad)
+                yield (f"perturbed_topk {'sorted' if sorted_output else 'unsorted'}", f"{name} {rows}x{n}",
+                       samples, "yes" if cv else "no", relative_spread(grads))
+
+
+def criterion_rows(samples_list, seeds):
+    from bench_soft_beam import build_model_and_sample
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+
+    cfg = dict(arch="lstm", threads=torch.get_num_threads(), device="cpu", bsz=16, src_len=14, tgt_len=16,
+               vocab=8000)
+    model, task, sample, _ = build_model_and_sample(cfg)
+    model.eval()  # no dropout: the perturbation is the only noise
+    for samples in samples_list:
+        criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=0.0, soft_beam_size=5,
+                                            soft_beam_candidates=50, soft_topk_method="perturbed",
+                                            perturbed_sigma=SIGMA, perturbed_samples=samples)
+        grads = []
+        for seed in range(seeds):
+            torch.manual_seed(seed)
+            model.zero_grad()
+            criterion(model, sample)[0].backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        yield ("soft_beam_search L_SOFT (demo LSTM, bsz 16, beam 5, M 50)", "all parameters", samples, "yes",
+               relative_spread(grads))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--samples", nargs="+", type=int, default=[10, 100])
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--no-criterion", action="store_true", help="operator rows only")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    print(f"relative spread of the gradient over {a.seeds} seeds: ||std|| / ||mean||; k {K}, sigma {SIGMA} "
+          "(paper-normalised)")
+    print("| what | shape | samples | control variate | ||std|| / ||mean|| |")
+    print("|---|---|---|---|---|")
+    rows = [operator_rows(a.shapes, a.samples, a.seeds, False), operator_rows(a.shapes, a.samples, a.seeds, True)]
+    if not a.no_criterion:
+        rows.append(criterion_rows(a.samples, a.seeds))
+    for group in rows:
+        for what, shape, samples, cv, spread in group:
+            print(f"| {what} | {shape} | {samples} | {cv} | {spread:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
