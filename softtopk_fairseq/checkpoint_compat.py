@@ -2,16 +2,33 @@
 
 Since torch 2.6, ``torch.load`` defaults to ``weights_only=True``, which refuses any pickled class that is
 not allow-listed. fairseq checkpoints store the training arguments as an ``argparse.Namespace``, so
-``fairseq-generate`` and a resumed ``fairseq-train`` fail with an ``UnpicklingError``. fairseq imports
-``--user-dir`` before it loads a checkpoint, so allow-listing the class on plugin import fixes both.
+``fairseq-generate`` and a resumed ``fairseq-train`` fail with an ``UnpicklingError``. They can also hold numpy
+arrays: with ``--eval-bleu`` the saved meters keep sacrebleu's n-gram counts as int64 arrays, so
+``checkpoint_best.pt`` of such a run is refused too. fairseq imports ``--user-dir`` before it loads a
+checkpoint, so allow-listing these classes on plugin import fixes all of them.
 """
 import argparse
+from typing import List
 
 import torch
 
 
+def _numpy_array_globals() -> List[object]:
+    """What unpickling a plain numpy array or scalar needs (no arbitrary code: array reconstruction and the
+    built-in dtypes)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - fairseq requires numpy
+        return []
+    multiarray = (getattr(np, "_core", None) or np.core).multiarray
+    dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                          np.float16, np.float32, np.float64)]
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+
+
 def allow_fairseq_checkpoints() -> None:
-    """Allow-list ``argparse.Namespace`` for ``torch.load(weights_only=True)`` (no-op on old torch)."""
+    """Allow-list ``argparse.Namespace`` and numpy arrays for ``torch.load(weights_only=True)`` (no-op on old
+    torch)."""
     add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
     if add_safe_globals is not None:
-        add_safe_globals([argparse.Namespace])
+        add_safe_globals([argparse.Namespace, *_numpy_array_globals()])

@@ -1,0 +1,311 @@
+"""The converged Multi30k study (issue 13): soft beam search and top-k attention against *converged* baselines.
+
+    python benchmarks/multi30k_converged.py run --data ../shared/data/multi30k_en_fr --workdir work/converged \\
+        --ledger docs/results/multi30k_converged.jsonl [--stages pretrain finetune attention] [--seeds 1 2 3]
+    python benchmarks/multi30k_converged.py report --workdir work/converged --ledger docs/results/multi30k_converged.jsonl
+
+Any line-aligned en-fr data works (``prepare.py`` is the WMT14 en-fr recipe's): ``--data DIR`` with
+``DIR/train``, ``DIR/val`` and ``DIR/test_2016_flickr`` (``.en``/``.fr``; ``--valid-name``/``--test-name`` for
+other names).
+
+Stages (each run is one fairseq-train command line, recorded in the ledger the moment it is scored; a run
+already in the ledger is skipped, and an interrupted one continues from its own ``checkpoint_last.pt``):
+
+* ``pretrain`` -- RNNsearch (the paper's model for soft beam search), teacher forcing, until converged:
+  validation every epoch with BLEU (beam 5, fairseq's ``--eval-bleu``), Adam with ``reduce_lr_on_plateau``
+  on that BLEU (x0.5 after ``--lr-patience`` epochs without a gain), early stopping after ``--patience``
+  epochs without a gain (fairseq's ``--patience``), at most ``--max-epoch`` epochs (a run that reaches it
+  is recorded as not converged). Scored: ``checkpoint_best.pt``.
+* ``finetune`` -- from each seed's converged checkpoint (``--finetune-from-model``: fresh optimizer and
+  counters; on a resumed start fairseq continues the fine-tuning's own checkpoint instead) for
+  ``--finetune-epochs`` epochs at Adam ``--finetune-lr`` (constant), validated (BLEU) every
+  ``--finetune-validate-updates`` updates, best on val: continued teacher forcing, soft beam search in the
+  paper's setting, softmax-k-times at that temperature (and any of ``FINETUNE_RUNS`` chosen with ``--runs``).
+* ``attention`` -- the transformer from scratch with softmax, SOFT top-k and hard top-k encoder-decoder
+  attention, with the pre-training's convergence rule.
+
+Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, hypotheses kept for the
+paired bootstrap of ``report``. Ledger record: key, stage, arch, method, seed, updates, epochs, converged,
+the val BLEU curve, val/test BLEU, wall seconds, and the exact extra arguments.
+"""
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from softtopk_fairseq.pipeline.run import run_logged
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
+BEAM = 5
+
+# Validation BLEU inside fairseq-train, as evaluate.sh scores it (beam 5, the same length limits).
+EVAL_BLEU = ["--eval-bleu", "--eval-bleu-args", json.dumps({"beam": BEAM, "max_len_a": 1.5, "max_len_b": 10}),
+             "--eval-bleu-remove-bpe", "sentencepiece", "--best-checkpoint-metric", "bleu",
+             "--maximize-best-checkpoint-metric"]
+COMMON = ["--cpu", "--max-tokens", "4096", "--batch-size", "256", "--num-workers", "0",
+          "--required-batch-size-multiple", "1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+          "--clip-norm", "1.0", "--no-epoch-checkpoints", "--save-interval-updates", "0",
+          "--log-format", "simple", "--log-interval", "50", "--label-smoothing", "0.1"]
+RNNSEARCH = ["--arch", "rnnsearch"]  # 256-unit bi-GRU encoder, GRU decoder, additive attention, dropout 0.3
+TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--encoder-layers", "2",
+               "--decoder-layers", "2", "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+               "--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256",
+               "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--dropout", "0.1",
+               "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1", "--topk-attn-inference", "same"]
+ATTENTION = {"softmax": ["--topk-attn-mode", "softmax"], "soft_topk": ["--topk-attn-mode", "soft"],
+             "hard_topk": ["--topk-attn-mode", "hard"]}
+PAPER = ["--teacher-forcing-ratio", "0.8", "--teacher-forcing-mode", "sum", "--soft-beam-size", "5",
+         "--soft-topk-epsilon", "0.1", "--soft-topk-scaling", "paper", "--soft-beam-bookkeeping", "argmax"]
+FINETUNE_RUNS = {
+    "tf": ["--teacher-forcing-ratio", "1.0"],  # the criterion at rho 1 is label_smoothed_cross_entropy exactly
+    "soft_beam_paper": PAPER,
+    "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"],
+    "soft_beam_topk_bookkeeping": PAPER + ["--soft-beam-bookkeeping", "topk"],
+    "soft_beam_nats": PAPER + ["--soft-topk-scaling", "none", "--soft-topk-epsilon", "1.0"],
+    "perturbed": PAPER + ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.1"],
+}
+DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times"]
+
+
+def ledger_rows(path: str) -> Dict[str, dict]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {r["key"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
+def append(path: str, row: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def val_curve(log_path: str) -> List[dict]:
+    """(epoch, updates, val BLEU) of every validation in a fairseq-train log."""
+    curve = []
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            if "valid on 'valid' subset" in line:
+                fields = dict(re.findall(r"\| (\w+) ([-\d.e+]+)", line))
+                if "bleu" in fields:
+                    curve.append({"epoch": int(re.search(r"epoch (\d+)", line).group(1)),
+                                  "updates": int(fields["num_updates"]), "bleu": float(fields["bleu"])})
+    return curve
+
+
+def stopped_early(log_path: str) -> bool:
+    with open(log_path, encoding="utf-8") as f:
+        return any("early stop since valid performance hasn't improved" in line for line in f)
+
+
+def evaluate(data: str, checkpoint: str, out: str) -> Dict[str, float]:
+    """evaluate.sh (beam 5, sacrebleu) on valid and test; hypotheses stay in ``out`` for the paired bootstrap."""
+    bleu = {}
+    for subset in ("valid", "test"):
+        env = dict(os.environ, PYTHON=sys.executable, SUBSET=subset, BEAM=str(BEAM), OUT=out)
+        run_logged(["bash", os.path.join(RECIPE, "evaluate.sh"), data, checkpoint],
+                   os.path.join(out, f"evaluate.{subset}.log"), env=env, echo=False)
+        with open(os.path.join(out, f"{subset}.beam{BEAM}.bleu"), encoding="utf-8") as f:
+            bleu[subset] = float(f.read())
+    return bleu
+
+
+class Study:
+    def __init__(self, args):
+        self.args = args
+        self.ledger = args.ledger or os.path.join(args.workdir, "ledger.jsonl")
+        self.data = args.prepared or os.path.join(args.workdir, "data")
+
+    def prepare(self) -> None:
+        if os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt")):
+            return
+        a = self.args
+        run_logged([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", self.data,
+                    "--train", f"{a.data}/train", "--valid", f"{a.data}/{a.valid_name}",
+                    "--test", f"{a.data}/{a.test_name}", "--bpe", "sentencepiece", "--bpe-size", str(a.bpe_size),
+                    "--workers", "2"], os.path.join(self.args.workdir, "prepare.log"))
+
+    def converge_args(self) -> List[str]:
+        a = self.args
+        return [*EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
+                "--lr-patience", str(a.lr_patience), "--patience", str(a.patience), "--max-epoch", str(a.max_epoch)]
+
+    def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str]) -> Optional[dict]:
+        """One fairseq-train run and its scores, recorded; skipped when the ledger has it."""
+        done = ledger_rows(self.ledger)
+        if key in done:
+            print(f"{key}: in the ledger, skipped", flush=True)
+            return done[key]
+        save = os.path.join(self.args.workdir, "checkpoints", key)
+        os.makedirs(save, exist_ok=True)
+        resumed = os.path.exists(os.path.join(save, "checkpoint_last.pt"))
+        if resumed:
+            print(f"{key}: continuing from {save}/checkpoint_last.pt", flush=True)
+        log = os.path.join(save, f"train.{int(time.time())}.log")  # one log per start: a resumed run keeps both
+        cmd = [sys.executable, "-m", "fairseq_cli.train", os.path.join(self.data, "bin"), "--user-dir",
+               os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
+               *shlex.split(self.args.extra_args)]
+        start = time.time()
+        run_logged(cmd, log, env=dict(os.environ, PYTHONWARNINGS="ignore"), echo=self.args.verbose)
+        seconds = time.time() - start
+        logs = sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
+        curve = [p for f in logs for p in val_curve(os.path.join(save, f))]
+        best = max(curve, key=lambda p: p["bleu"]) if curve else None
+        row = {"key": key, "stage": stage, "arch": arch, "method": method, "seed": seed,
+               "updates": curve[-1]["updates"] if curve else None, "epochs": curve[-1]["epoch"] if curve else None,
+               "best_updates": best and best["updates"], "converged": stopped_early(log) if stage != "finetune" else None,
+               # wall seconds of this start only; "resumed": an interrupted earlier start also trained (its log
+               # is kept beside this one's)
+               "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
+               "bleu": evaluate(self.data, os.path.join(save, "checkpoint_best.pt"), save),
+               "extra": extra + shlex.split(self.args.extra_args)}
+        append(self.ledger, row)
+        return row
+
+    def pretrained(self, seed: int) -> str:
+        return os.path.join(self.args.workdir, "checkpoints", f"pretrain.rnnsearch.seed{seed}", "checkpoint_best.pt")
+
+    def run(self) -> None:
+        a = self.args
+        os.makedirs(a.workdir, exist_ok=True)
+        self.prepare()
+        pretrain_lr = ["--lr", str(a.lr)]
+        if "pretrain" in a.stages:
+            for seed in a.seeds:
+                self.train(f"pretrain.rnnsearch.seed{seed}", "pretrain", "rnnsearch", "teacher_forcing", seed,
+                           RNNSEARCH + pretrain_lr + self.converge_args() + ["--criterion", "label_smoothed_cross_entropy"])
+        if "finetune" in a.stages:
+            for seed in a.seeds:
+                if not os.path.exists(self.pretrained(seed)):
+                    print(f"finetune seed {seed}: no converged pre-training yet, skipped", flush=True)
+                    continue
+                for name in a.runs:
+                    extra = RNNSEARCH + ["--finetune-from-model", self.pretrained(seed), "--criterion",
+                                         "soft_beam_search", "--soft-beam-candidates", str(a.candidates),
+                                         *FINETUNE_RUNS[name], *EVAL_BLEU, "--lr", str(a.finetune_lr),
+                                         "--lr-scheduler", "fixed", "--max-epoch", str(a.finetune_epochs),
+                                         "--validate-interval-updates", str(a.finetune_validate_updates)]
+                    self.train(f"finetune.{name}.seed{seed}", "finetune", "rnnsearch", name, seed, extra)
+        if "attention" in a.stages:
+            for seed in a.seeds:
+                for mode in a.attention_modes:
+                    extra = TRANSFORMER + ATTENTION[mode] + ["--lr", str(a.lr), "--warmup-updates", "200",
+                                                             "--criterion", "label_smoothed_cross_entropy"]
+                    self.train(f"attention.{mode}.seed{seed}", "attention", "transformer_topk_attn", mode, seed,
+                               extra + self.converge_args())
+
+
+# ------------------------------------------------------------------------------------------- report ----
+
+def paired_bootstrap(ref: str, baseline: str, system: str) -> Optional[float]:
+    """sacrebleu's paired bootstrap resampling (``--paired-bs``, 1000 resamples): the p-value of ``system``
+    against ``baseline`` on reference file ``ref``."""
+    if not all(os.path.exists(p) for p in (ref, baseline, system)):
+        return None
+    out = subprocess.run([sys.executable, "-m", "sacrebleu", ref, "-i", baseline, system, "-m", "bleu",
+                          "--paired-bs", "-f", "text"], capture_output=True, text=True)
+    m = re.findall(r"p = ([\d.]+)", out.stdout)
+    return float(m[-1]) if m else None
+
+
+def mean_std(values: List[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def report(args) -> str:
+    ledger = args.ledger or os.path.join(args.workdir, "ledger.jsonl")
+    rows = ledger_rows(ledger)
+    data = args.prepared or os.path.join(args.workdir, "data")
+    lines = ["| run | seeds | converged | updates (best / total) | BLEU val | BLEU test | train s |",
+             "|---|---|---|---|---|---|---|"]
+    groups: Dict[str, List[dict]] = {}
+    for r in rows.values():
+        groups.setdefault(f"{r['stage']}.{r['method']}", []).append(r)
+    for group, rs in groups.items():
+        conv = sum(bool(r["converged"]) for r in rs) if rs[0]["stage"] != "finetune" else "-"
+        lines.append(f"| {group} | {len(rs)} | {conv} | "
+                     f"{statistics.mean(r['best_updates'] or 0 for r in rs):.0f} / "
+                     f"{statistics.mean(r['updates'] or 0 for r in rs):.0f} | "
+                     f"{mean_std([r['bleu']['valid'] for r in rs])} | {mean_std([r['bleu']['test'] for r in rs])} | "
+                     f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
+    # Paired comparisons against the baseline of the same seed, with sacrebleu's paired bootstrap.
+    lines += ["", "| comparison | subset | per-seed difference | mean ± std | paired-bs p per seed |",
+              "|---|---|---|---|---|"]
+    pairs = [(f"finetune.{name}", "finetune.tf") for name in FINETUNE_RUNS if name != "tf"]
+    pairs += [(f"attention.{mode}", "attention.softmax") for mode in ATTENTION if mode != "softmax"]
+    for system, baseline in pairs:
+        for subset in ("valid", "test"):
+            diffs, ps = [], []
+            for r in groups.get(system, []):
+                b = rows.get(r["key"].replace(system, baseline))
+                if b is None:
+                    continue
+                diffs.append(r["bleu"][subset] - b["bleu"][subset])
+                ckpt = lambda row: os.path.join(args.workdir, "checkpoints", row["key"])  # noqa: E731
+                p = paired_bootstrap(os.path.join(data, "ref", f"{subset}.fr"),
+                                     os.path.join(ckpt(b), f"{subset}.beam{BEAM}.fr"),
+                                     os.path.join(ckpt(r), f"{subset}.beam{BEAM}.fr"))
+                ps.append("-" if p is None else f"{p:.3f}")
+            if diffs:
+                lines.append(f"| {system} - {baseline} | {subset} | {' / '.join(f'{d:+.2f}' for d in diffs)} | "
+                             f"{mean_std(diffs)} | {' / '.join(ps)} |")
+    # Convergence: the plateau of every converged run (its last patience + 1 validations).
+    lines += ["", "| run | epochs | best val BLEU at update | last validations (val BLEU) | band |", "|---|---|---|---|---|"]
+    for r in rows.values():
+        if r["stage"] == "finetune" or not r["val_curve"]:
+            continue
+        tail = [p["bleu"] for p in r["val_curve"][-(args.patience + 1):]]
+        lines.append(f"| {r['key']} | {r['epochs']} | {r['best_updates']} | {' '.join(f'{b:.2f}' for b in tail)} | "
+                     f"{max(tail) - min(tail):.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["run", "report"])
+    p.add_argument("--data", default=os.path.join(REPO_ROOT, "..", "shared", "data", "multi30k_en_fr"))
+    p.add_argument("--valid-name", default="val")
+    p.add_argument("--test-name", default="test_2016_flickr")
+    p.add_argument("--workdir", default=os.path.join(REPO_ROOT, "work", "converged"))
+    p.add_argument("--ledger", help="the ledger (JSON lines; default WORKDIR/ledger.jsonl)")
+    p.add_argument("--prepared", help="prepared data of another workdir (its data/), instead of preparing anew")
+    p.add_argument("--bpe-size", type=int, default=8000)
+    p.add_argument("--stages", nargs="+", default=["pretrain", "finetune", "attention"],
+                   choices=["pretrain", "finetune", "attention"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the from-scratch runs")
+    p.add_argument("--patience", type=int, default=5, help="early stopping: epochs without a val BLEU gain")
+    p.add_argument("--lr-patience", type=int, default=1, help="epochs without a gain before the rate halves")
+    p.add_argument("--max-epoch", type=int, default=60, help="cap; a run that reaches it is not converged")
+    p.add_argument("--runs", nargs="+", default=DEFAULT_FINETUNE, choices=list(FINETUNE_RUNS))
+    p.add_argument("--candidates", type=int, default=50, help="--soft-beam-candidates of the fine-tuning")
+    p.add_argument("--finetune-lr", type=float, default=1e-4)
+    p.add_argument("--finetune-epochs", type=int, default=2)
+    p.add_argument("--finetune-validate-updates", type=int, default=50)
+    p.add_argument("--attention-modes", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
+    p.add_argument("--extra-args", default="", help="fairseq-train arguments appended to every run, last (e.g. "
+                                                    "smaller sizes for a smoke test); recorded in the ledger")
+    p.add_argument("--verbose", action="store_true", help="stream fairseq's logs to the terminal")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        Study(args).run()
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
