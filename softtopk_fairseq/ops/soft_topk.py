@@ -116,9 +116,13 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
 def temperature_grad(grad_x: Tensor, x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
     """dL/deps (rows,) from dL/dx: the output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps
     (any shift of x cancels, since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate)."""
-    xc = torch.where(valid, x, torch.zeros_like(x))
-    xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
-    return -(grad_x * torch.where(valid, xc, torch.zeros_like(xc))).sum(-1) / eps
+    if bool(valid.all()):  # the common case, in three passes
+        xc = x - x.mean(-1, keepdim=True)
+    else:
+        xc = torch.where(valid, x, torch.zeros_like(x))
+        xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+        xc = torch.where(valid, xc, torch.zeros_like(xc))
+    return -torch.linalg.vecdot(grad_x, xc) / eps
 
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
@@ -194,21 +198,44 @@ def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
                              f"of shape {tuple(scores.shape)}") from None
 
 
+class _PaperTemperature(torch.autograd.Function):
+    """The paper scaling's per-row temperature ``epsilon * M / 2``, ``M = max_i max(x_i^2, (x_i - K)^2)`` over
+    the valid entries (``K``: the top anchor). The cost is convex in ``x``, so ``M`` sits at the row's largest
+    or smallest valid score: two reductions, and a derivative with one nonzero entry per row -- a handful of
+    operations instead of an autograd graph over the whole row (this runs on every call)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, valid: Tensor, anchor_top: float, epsilon: float) -> Tensor:
+        all_valid = bool(valid.all())
+        hi, hi_at = (x if all_valid else torch.where(valid, x, -torch.inf)).max(-1)
+        lo, lo_at = (x if all_valid else torch.where(valid, x, torch.inf)).min(-1)
+        any_valid = torch.isfinite(hi)  # x itself is finite wherever valid (checked by the caller's op)
+        hi, lo = torch.where(any_valid, hi, 0.0), torch.where(any_valid, lo, 0.0)
+        # The cost at each extreme, and its derivative d/dv max(v^2, (v - K)^2) there.
+        cost_hi = torch.maximum(hi.square(), (hi - anchor_top).square())
+        cost_lo = torch.maximum(lo.square(), (lo - anchor_top).square())
+        slope_hi = torch.where(hi.square() >= (hi - anchor_top).square(), 2 * hi, 2 * (hi - anchor_top))
+        slope_lo = torch.where(lo.square() >= (lo - anchor_top).square(), 2 * lo, 2 * (lo - anchor_top))
+        use_hi = cost_hi >= cost_lo
+        cost = torch.where(use_hi, cost_hi, cost_lo)
+        positive = (cost > 0) & any_valid  # a row without valid entries: M = 0, temperature epsilon
+        ctx.save_for_backward(torch.where(use_hi, hi_at, lo_at),
+                              torch.where(positive, epsilon / 2 * torch.where(use_hi, slope_hi, slope_lo), 0.0))
+        ctx.shape = x.shape
+        return torch.where(positive, epsilon * cost / 2, torch.full_like(cost, epsilon))
+
+    @staticmethod
+    def backward(ctx, grad_eps):
+        at, slope = ctx.saved_tensors
+        grad_x = grad_eps.new_zeros(ctx.shape).scatter_(-1, at.unsqueeze(-1), (grad_eps * slope).unsqueeze(-1))
+        return grad_x, None, None, None
+
+
 def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: bool, scaling: str) -> Tensor:
     """Per-row temperature in score units of (rows, n) scores (already negated when largest=False)."""
     if scaling != "paper":
         return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
-    anchor_top = float(k if sorted else 1)
-    # The cost max(x^2, (x - K)^2) is convex in x, so its maximum over a row sits at the row's largest or
-    # smallest valid score: two reductions instead of a pass over the whole cost (and its backward).
-    any_valid = valid.any(-1)
-    hi = torch.where(valid, x, torch.full_like(x, -torch.inf)).max(-1).values
-    lo = torch.where(valid, x, torch.full_like(x, torch.inf)).min(-1).values
-    cost_max = torch.zeros_like(hi)
-    for v in (hi, lo):
-        v = torch.where(any_valid, v, torch.zeros_like(v))  # no inf * 0 in the backward of square()
-        cost_max = torch.maximum(cost_max, torch.maximum(v.square(), (v - anchor_top).square()))
-    return torch.where(cost_max > 0, epsilon * cost_max / 2, torch.full_like(cost_max, epsilon))
+    return _PaperTemperature.apply(x, valid, float(k if sorted else 1), float(epsilon))
 
 
 def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
