@@ -122,8 +122,11 @@ def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None, echo: 
     """Run ``cmd``, streaming its output to ``log_path`` (and to stdout when ``echo``); return the output;
     raise on failure, quoting the end of the log when it was not echoed."""
     print("$ " + " ".join(cmd) + ("" if echo else f"  (output: {log_path})"), flush=True)
+    # A Python child writing into a pipe, and our log file, would buffer in 8 KiB blocks: unbuffered child and
+    # line-buffered log, so the log (tail -f) and the terminal follow the run line by line.
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     lines = []
-    with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(
+    with open(log_path, "w", encoding="utf-8", buffering=1) as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
     ) as proc:
         for line in proc.stdout:
