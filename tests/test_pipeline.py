@@ -235,3 +235,23 @@ def test_pipeline_runs_from_an_installed_package_in_any_directory(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tf on " in out.stdout and "sacrebleu nrefs:1|" in out.stdout
+
+
+def test_run_logged_writes_each_line_to_the_log_while_the_command_runs(tmp_path):
+    """`tail -f` on a long fairseq-train log must show progress: before, the log (and a Python child's pipe)
+    held output back in 8 KiB blocks until the run ended."""
+    import sys
+    import threading
+    import time
+
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, "-c", "import time; print('first line'); time.sleep(4); print('second')"]
+    worker = threading.Thread(target=run.run_logged, args=(cmd, str(log)), kwargs={"echo": False})
+    worker.start()
+    deadline = time.time() + 3
+    while time.time() < deadline and "first line" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.1)
+    seen = log.read_text()
+    worker.join()
+    assert "first line" in seen and "second" not in seen  # read while the command was still running
+    assert log.read_text() == "first line\nsecond\n"
