@@ -21,6 +21,8 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   ``--finetune-epochs`` epochs at Adam ``--finetune-lr`` (constant), validated (BLEU) every
   ``--finetune-validate-updates`` updates, best on val: continued teacher forcing, soft beam search in the
   paper's setting, softmax-k-times at that temperature (and any of ``FINETUNE_RUNS`` chosen with ``--runs``).
+* ``pruning`` -- on the first seed's converged checkpoint, M = 50 / 200 / exact compared on the same batches
+  (``soft_beam_pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams), one ledger entry.
 * ``attention`` -- the transformer from scratch with softmax, SOFT top-k and hard top-k encoder-decoder
   attention, with the pre-training's convergence rule.
 
@@ -170,6 +172,27 @@ class Study:
         append(self.ledger, row)
         return row
 
+    def pruning(self, seed: int) -> None:
+        """Item 3: on the converged checkpoint of ``seed``, M = 50 / 200 / exact for the paper's setting and topk
+        bookkeeping in nats (``soft_beam_pruning.py``), the rows recorded as one ledger entry."""
+        key = f"pruning.rnnsearch.seed{seed}"
+        if key in ledger_rows(self.ledger):
+            print(f"{key}: in the ledger, skipped", flush=True)
+            return
+        if not os.path.exists(self.pretrained(seed)):
+            print(f"{key}: no converged pre-training yet, skipped", flush=True)
+            return
+        out = os.path.join(self.args.workdir, f"{key}.jsonl")
+        if os.path.exists(out):
+            os.remove(out)  # a half-written earlier attempt
+        run_logged([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "soft_beam_pruning.py"), self.pretrained(seed),
+                    os.path.join(self.data, "bin"), "--batches", str(self.args.pruning_batches), "--json", out],
+                   os.path.join(self.args.workdir, f"{key}.log"))
+        with open(out, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        append(self.ledger, {"key": key, "stage": "pruning", "arch": "rnnsearch", "method": "pruning", "seed": seed,
+                             "rows": rows})
+
     def pretrained(self, seed: int) -> str:
         return os.path.join(self.args.workdir, "checkpoints", f"pretrain.rnnsearch.seed{seed}", "checkpoint_best.pt")
 
@@ -194,6 +217,8 @@ class Study:
                                          "--lr-scheduler", "fixed", "--max-epoch", str(a.finetune_epochs),
                                          "--validate-interval-updates", str(a.finetune_validate_updates)]
                     self.train(f"finetune.{name}.seed{seed}", "finetune", "rnnsearch", name, seed, extra)
+        if "pruning" in a.stages:
+            self.pruning(a.seeds[0])
         if "attention" in a.stages:
             for seed in a.seeds:
                 for mode in a.attention_modes:
@@ -231,6 +256,8 @@ def report(args) -> str:
     lines = ["| run | seeds | converged | updates (best / total) | BLEU val | BLEU test | train s |",
              "|---|---|---|---|---|---|---|"]
     groups: Dict[str, List[dict]] = {}
+    pruning = [r for r in rows.values() if r["stage"] == "pruning"]
+    rows = {key: r for key, r in rows.items() if r["stage"] != "pruning"}
     for r in rows.values():
         groups.setdefault(f"{r['stage']}.{r['method']}", []).append(r)
     for group, rs in groups.items():
@@ -269,6 +296,12 @@ def report(args) -> str:
         tail = [p["bleu"] for p in r["val_curve"][-(args.patience + 1):]]
         lines.append(f"| {r['key']} | {r['epochs']} | {r['best_updates']} | {' '.join(f'{b:.2f}' for b in tail)} | "
                      f"{max(tail) - min(tail):.2f} |")
+    for r in pruning:
+        lines += ["", f"Pruning on {r['key']} (L_SOFT alone, same batches, eval mode):", "",
+                  "| setting | M | L_SOFT (nats/token) | gradient cosine to exact | gradient norm / exact | "
+                  "pruned-mass bound / step | duplicate beams |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {p['setting']} | {p['candidates'] or 'exact'} | {p['soft_loss']:.4f} | {p['grad_cosine']:.6f} | "
+                  f"{p['grad_norm_ratio']:.4f} | {p['pruned_mass']:.3g} | {p['duplicate_rate']:.2f} |" for p in r["rows"]]
     table = "\n".join(lines)
     print(table)
     return table
@@ -284,8 +317,9 @@ def main(argv=None) -> None:
     p.add_argument("--ledger", help="the ledger (JSON lines; default WORKDIR/ledger.jsonl)")
     p.add_argument("--prepared", help="prepared data of another workdir (its data/), instead of preparing anew")
     p.add_argument("--bpe-size", type=int, default=8000)
-    p.add_argument("--stages", nargs="+", default=["pretrain", "finetune", "attention"],
-                   choices=["pretrain", "finetune", "attention"])
+    p.add_argument("--stages", nargs="+", default=["pretrain", "finetune", "pruning", "attention"],
+                   choices=["pretrain", "finetune", "pruning", "attention"])
+    p.add_argument("--pruning-batches", type=int, default=2, help="validation batches of the pruning comparison")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the from-scratch runs")
     p.add_argument("--patience", type=int, default=5, help="early stopping: epochs without a val BLEU gain")

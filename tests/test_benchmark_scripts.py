@@ -122,6 +122,22 @@ def test_checkpoint_scripts_print_their_tables(tiny_checkpoint, toy_data_bin, sc
         assert all(float(row[3]) < 1e-4 for row in rows[1:]), out.stdout  # the solvers agree on the same scores
 
 
+def test_pruning_script_compares_every_m_with_the_exact_search(tiny_checkpoint, toy_data_bin, tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "soft_beam_pruning.py"), str(tiny_checkpoint),
+                          str(toy_data_bin), "--max-tokens", "200", "--batches", "1", "--beam", "2", "--candidates",
+                          "4", "20", "0", "--json", str(tmp_path / "rows.jsonl")],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "rows.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["setting"], r["candidates"]) for r in rows] == [
+        ("paper", 4), ("paper", 20), ("paper", 0), ("topk_nats", 4), ("topk_nats", 20), ("topk_nats", 0)]
+    exact = [r for r in rows if r["candidates"] == 0]
+    assert all(r["grad_cosine"] == pytest.approx(1.0) and r["pruned_mass"] == 0 for r in exact)
+    assert all(-1 <= r["grad_cosine"] <= 1 + 1e-9 and 0 <= r["duplicate_rate"] <= 1 for r in rows)
+    assert any(r["pruned_mass"] > 0 for r in rows if r["candidates"] == 4)  # M 4 of 2 x V prunes something
+
+
 def test_profile_script_counts_synchronisations():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "profile_soft_beam.py"), "--bsz", "4", "--src-len", "5",
                           "--tgt-len", "4", "--vocab", "60", "--threads", "1", "--rows", "5"],
@@ -173,8 +189,9 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
 
-    driver("run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "soft_beam_paper",
-           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--candidates", "10", "--extra-args", rnn)
+    driver("run", *common, "--stages", "pretrain", "finetune", "pruning", "--runs", "tf", "soft_beam_paper",
+           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--candidates", "10", "--pruning-batches",
+           "1", "--extra-args", rnn)
     tiny_transformer = ("--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 8 --decoder-embed-dim 8 "
                         "--encoder-ffn-embed-dim 16 --decoder-ffn-embed-dim 16 --encoder-attention-heads 2 "
                         "--decoder-attention-heads 2 --topk-attn-k 2")
@@ -183,8 +200,11 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     with open(tmp_path / "ledger.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["key"] for r in rows] == ["pretrain.rnnsearch.seed1", "finetune.tf.seed1",
-                                        "finetune.soft_beam_paper.seed1", "attention.softmax.seed1",
-                                        "attention.soft_topk.seed1"]
+                                        "finetune.soft_beam_paper.seed1", "pruning.rnnsearch.seed1",
+                                        "attention.softmax.seed1", "attention.soft_topk.seed1"]
+    assert [(p["setting"], p["candidates"]) for p in rows[3]["rows"]][:3] == [("paper", 50), ("paper", 200),
+                                                                             ("paper", 0)]
+    rows = [r for r in rows if r["stage"] != "pruning"]
     pre = rows[0]
     assert pre["val_curve"] and all(0 <= p["bleu"] <= 100 for p in pre["val_curve"])
     assert pre["epochs"] <= 2 and isinstance(pre["converged"], bool)
@@ -197,5 +217,6 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
                    "--patience", "1")
     assert "| finetune.soft_beam_paper - finetune.tf | valid |" in table
     assert "| attention.soft_topk - attention.softmax | test |" in table
+    assert "Pruning on pruning.rnnsearch.seed1" in table and "| paper | exact |" in table
     assert re.search(r"\| finetune.soft_beam_paper - finetune.tf \| valid \| [-+]\d+\.\d\d \| [-+]?\d+\.\d\d \| "
                      r"\d\.\d{3} \|", table), table  # a difference and a paired-bootstrap p-value
