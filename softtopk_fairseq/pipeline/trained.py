@@ -56,8 +56,10 @@ class Workdir:
         return text.JointBPE(self.bpe, os.path.join(self.path, "bpe")).model_path
 
     def checkpoints(self) -> List[str]:
-        """Names of the checkpoints whose training finished, in the order the pipeline trained them."""
-        names = ["tf"] + [f"ft_{key}" for key in ("tf", "soft_beam", "topk_attn")]
+        """Names of the checkpoints whose training finished: ``tf`` (the pre-training), then the fine-tuning runs
+        (``ft_...``) in name order."""
+        root = os.path.join(self.path, "checkpoints")
+        names = sorted(os.listdir(root), key=lambda n: (n != "tf", n)) if os.path.isdir(root) else []
         return [n for n in names if self.stages.done(f"train.{n}") and os.path.isfile(self.checkpoint_path(n))]
 
     def checkpoint_path(self, name: str) -> str:
