@@ -51,8 +51,11 @@ class Relaxation:
     and :meth:`pruned_mass`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
     log-likelihood units with ``scaling="none"``, normalised per sentence with ``"paper"``."""
 
-    def __init__(self, k: int, epsilon: float, scaling: str):
+    def __init__(self, k: int, epsilon: float, scaling: str, *, tol: Optional[float] = None,
+                 max_iter: Optional[int] = None, samples: int = PERTURBED_SAMPLES):
         self.k, self.epsilon, self.scaling = k, epsilon, scaling
+        self.tol, self.max_iter = tol, max_iter  # the OT solver's
+        self.samples = samples                   # the perturbed top-k's
 
     def temperature(self, scores: Tensor) -> Tensor:
         """(rows,) the smoothing scale of each row (:func:`~softtopk_fairseq.ops.effective_epsilon`)."""
@@ -68,19 +71,17 @@ class Relaxation:
         kept; overwritten) would get. ``kept``: the kept scores, best first, ``A`` their relaxation (no grad)."""
         raise NotImplementedError
 
-    def _log_sum_rest(self, kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor]:
+    def _log_sum_rest(self, kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """``log sum_p exp((x_p - x_w) / T)`` over the pruned ``rest`` (in place), with ``x_w`` the weakest finite
-        kept score (if some kept ones are -inf, nothing finite was pruned: the sum is 0); returns it and x_w."""
-        x_w = torch.where(kept > -torch.inf, kept, torch.inf).amin(-1, keepdim=True)
-        return torch.log(rest.sub_(x_w).div_(temperature.unsqueeze(-1)).exp_().sum(-1)), x_w
+        kept score (if some kept ones are -inf, nothing finite was pruned: the sum is 0); returns it, x_w and
+        the weakest candidate's index (rows, 1)."""
+        weakest = torch.where(kept > -torch.inf, kept, torch.inf).argmin(-1, keepdim=True)
+        x_w = kept.gather(-1, weakest)
+        return torch.log(rest.sub_(x_w).div_(temperature.unsqueeze(-1)).exp_().sum(-1)), x_w, weakest
 
 
 class OptimalTransport(Relaxation):
     """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`)."""
-
-    def __init__(self, k, epsilon, scaling, tol=None, max_iter=None):
-        super().__init__(k, epsilon, scaling)
-        self.tol, self.max_iter = tol, max_iter
 
     def relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
@@ -93,8 +94,7 @@ class OptimalTransport(Relaxation):
         candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
         over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
         the weakest kept candidate's rest mass (capped at ``k``, the total rank mass)."""
-        log_rest, x_w = self._log_sum_rest(kept, rest, self.temperature(kept))
-        weakest = torch.where(kept > -torch.inf, kept, torch.inf).argmin(-1, keepdim=True)
+        log_rest, _, weakest = self._log_sum_rest(kept, rest, self.temperature(kept))
         tiny = torch.finfo(A.dtype).tiny
         rank_mass = A.gather(1, weakest.unsqueeze(-1).expand(-1, 1, A.shape[-1])).squeeze(1).sum(-1)
         log_bound = torch.log(rank_mass.clamp_min(tiny)) - torch.log((1 - rank_mass).clamp_min(tiny)) + log_rest
@@ -112,7 +112,7 @@ class SoftmaxKTimes(Relaxation):
         """Exact: the mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of
         ``exp(x / T)``)."""
         temperature = self.temperature(kept)
-        log_rest, x_w = self._log_sum_rest(kept, rest, temperature)
+        log_rest, x_w, _ = self._log_sum_rest(kept, rest, temperature)
         tiny = torch.finfo(A.dtype).tiny
         logits = (kept - x_w) / temperature.unsqueeze(-1)
         top = torch.sort(logits, -1, descending=True).values[..., : self.k]
@@ -128,10 +128,6 @@ class Perturbed(Relaxation):
     as the OT temperature with ``scaling="paper"``. The hard top-k does not change when all scores are divided
     by one positive number, so ``top-k(x + sigma Z) = top-k(x / sigma + Z)``: the operator runs at sigma 1 on
     the scores divided by each row's sigma (differentiable in it, as the OT temperature is)."""
-
-    def __init__(self, k, epsilon, scaling, samples=PERTURBED_SAMPLES):
-        super().__init__(k, epsilon, scaling)
-        self.samples = samples
 
     def relax(self, kept):
         sigma = self.temperature(kept).unsqueeze(-1)
@@ -154,7 +150,8 @@ RELAXATIONS = {"ot": OptimalTransport, "softmax_k_times": SoftmaxKTimes, "pertur
 
 
 def make_relaxation(name: str, k: int, epsilon: float, scaling: str, **options) -> Relaxation:
-    """The relaxation called ``name`` (a key of :data:`RELAXATIONS`); ``options`` go to its constructor."""
+    """The relaxation called ``name`` (a key of :data:`RELAXATIONS`); ``options`` (``tol``, ``max_iter``,
+    ``samples``) go to its constructor, each variant reading the ones it uses."""
     if name not in RELAXATIONS:
         raise ValueError(f"soft_beam_search: relaxation must be one of {tuple(RELAXATIONS)}, got {name!r}")
     return RELAXATIONS[name](k, epsilon, scaling, **options)
@@ -198,9 +195,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         raise TypeError(f"soft_beam_search: {type(decoder).__name__} has no embed_tokens module to feed soft "
                         "tokens through")
     k = beam
-    options = dict(tol=tol, max_iter=max_iter) if relaxation == "ot" else \
-        dict(samples=samples) if relaxation == "perturbed" else {}
-    relax = make_relaxation(relaxation, k, epsilon, scaling, **options)
+    relax = make_relaxation(relaxation, k, epsilon, scaling, tol=tol, max_iter=max_iter, samples=samples)
     bsz, T = target.shape
     device = target.device
     lengths = target.ne(pad).sum(1)  # incl. eos
