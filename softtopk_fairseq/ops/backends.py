@@ -7,9 +7,12 @@
   :class:`CpuBackend` (``cpu_kernels``, C, CPU tensors) and :class:`TritonBackend` (``triton_kernels``,
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` for the tests).
 
-Every backend has the same two methods, ``forward(...) -> (out, info)`` and
-``backward(...) -> grad_x``; ``soft_topk.py`` keeps the definition, validation, dL/d(epsilon) (from
-``grad_x``, once for all backends) and the custom-op registration, and never asks which backend it holds.
+Every backend has the same two entry points, ``solve(...) -> (out, info)`` (the op's forward: check the
+scores, find the centre and the starting thresholds, solve) and ``gradients(...) -> (grad_x, grad_eps)``;
+``soft_topk.py`` keeps the definition, validation and the custom-op registration, and never asks which
+backend it holds. Inside, the shared preparation calls the hooks ``row_top``, ``forward`` and ``backward``,
+which the fused backends override; the C backend also overrides the entry points of the unsorted operator,
+whose preparation it does in the kernel itself (one call each way instead of a few dozen tensor operations).
 
 ``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
@@ -28,6 +31,10 @@ from softtopk_fairseq.ops import backward as implicit_backward
 from softtopk_fairseq.ops import cpu_kernels, solvers
 
 NAMES = ("auto", "torch", "triton", "cpu")
+NAN_SCORES = "soft_topk: scores contain NaN"
+# Only -inf (largest=True) / +inf (largest=False) marks an excluded entry.
+INF_SCORES = ("soft_topk: scores contain an infinity on the selected side (+inf with largest=True, -inf with "
+              "largest=False); use mask=False to exclude")
 
 
 class KernelError(RuntimeError):
@@ -38,6 +45,30 @@ class Backend:
     """The PyTorch path; the base class whose hooks the fused backends override."""
 
     name = "torch"
+
+    def solve(self, x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
+              method: str) -> Tuple[Tensor, Tensor]:
+        """The op's forward on (rows, n) scores ``x`` (valid entries finite), ``valid`` (rows, n) and the
+        per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf), normalises them by the
+        centre x_(k) and ``eps``, and solves from the hard-assignment start (:meth:`forward`)."""
+        n_valid = valid.sum(-1)
+        all_valid = bool((n_valid == x.shape[-1]).all())
+        top = self.row_top(x, valid, min(k + 1, x.shape[-1]))
+        _check_scores(x, top, all_valid)
+        kth = (n_valid.clamp(max=k) - 1).clamp_min(0).unsqueeze(-1)
+        centre = top.gather(-1, kth).squeeze(-1)  # x_(k), the k-th largest valid score (0 for empty rows)
+        centre = torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
+        bound = score_bound(x.dtype, k)
+        u_top = torch.where(torch.isfinite(top), solvers.normalise_scores(top, centre, eps, bound), top)
+        return self.forward(x, valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method)
+
+    def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
+                  sorted: bool, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+        """dL/dx (rows, n) and dL/deps (rows,; zeros unless ``eps_grad``) from the op's output."""
+        grad_x = self.backward(grad_out, out, valid, eps, k, sorted)
+        if not eps_grad:  # a constant temperature (scaling="none"): no dL/deps to form
+            return grad_x, torch.zeros_like(eps)
+        return grad_x, implicit_backward.temperature_grad(grad_x, x, valid, eps)
 
     def row_top(self, x: Tensor, valid: Tensor, kk: int) -> Tensor:
         """The ``kk`` largest valid scores of each row, decreasing; ``-inf`` past the valid ones, NaN first."""
@@ -156,6 +187,22 @@ class CpuBackend(FusedBackend):
     def row_top(self, x, valid, kk):
         return cpu_kernels.row_top(x, valid, kk)
 
+    def solve(self, x, valid, eps, k, sorted, tol, max_iter, method):
+        if sorted:
+            return super().solve(x, valid, eps, k, sorted, tol, max_iter, method)
+        out, info, status = cpu_kernels.unsorted_solve(x, valid, eps, score_bound(x.dtype, k), k, tol, max_iter)
+        if status & cpu_kernels.BAD_NAN:
+            raise ValueError(NAN_SCORES)
+        if status & cpu_kernels.BAD_INF:
+            raise ValueError(INF_SCORES)
+        return out, info
+
+    def gradients(self, grad_out, out, x, valid, eps, k, sorted, eps_grad):
+        if sorted:
+            return super().gradients(grad_out, out, x, valid, eps, k, sorted, eps_grad)
+        grad_x, grad_eps = cpu_kernels.unsorted_gradients(out, grad_out, valid, eps, x if eps_grad else None)
+        return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
+
 
 class TritonBackend(FusedBackend):
     """The Triton kernels (``triton_kernels.py``); CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``)."""
@@ -187,6 +234,20 @@ class TritonBackend(FusedBackend):
             return fn(*args)
         except Exception as e:  # compilation (ptxas, out of resources) or driver errors
             raise KernelError(f"the Triton kernel {fn.__name__} failed: {type(e).__name__}: {e}") from e
+
+
+def score_bound(dtype: torch.dtype, k: int) -> float:
+    """The normalised scores are clamped to +-this: far-away elements are saturated anyway, and the solvers'
+    logits (a few anchors times u) stay finite."""
+    return torch.finfo(dtype).max / (8.0 * (k + 2))
+
+
+def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:
+    """NaN or +inf among the valid scores shows up first in ``top`` (the row's largest valid scores); a NaN
+    under the mask is looked for separately (only when something is masked)."""
+    first = top[:, 0]
+    if bool((torch.isnan(first) | (first == torch.inf)).any()) or (not all_valid and bool(torch.isnan(x).any())):
+        raise ValueError(NAN_SCORES if bool(torch.isnan(x).any()) else INF_SCORES)
 
 
 TORCH = Backend()

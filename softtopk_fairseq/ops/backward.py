@@ -62,3 +62,15 @@ def sigmoid_grad(a: Tensor, grad_a: Tensor, valid: Tensor) -> Tensor:
     w = torch.where(valid, a * (1 - a), torch.zeros_like(a))
     mean_g = (grad_a * w).sum(-1, keepdim=True) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
     return w * (grad_a - mean_g)
+
+
+def temperature_grad(grad_x: Tensor, x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
+    """dL/deps (rows,) from dL/dx: the output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps
+    (any shift of x cancels, since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate)."""
+    if bool(valid.all()):  # the common case, in three passes
+        xc = x - x.mean(-1, keepdim=True)
+    else:
+        xc = torch.where(valid, x, torch.zeros_like(x))
+        xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+        xc = torch.where(valid, xc, torch.zeros_like(xc))
+    return -torch.linalg.vecdot(grad_x, xc) / eps

@@ -23,12 +23,16 @@ from typing import Optional
 import torch
 
 from softtopk_fairseq.ops.launch import ensure_contiguous
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
-# The solver constants come from solvers.py as -D flags (part of the cache key with the other flags).
+# What soft_topk_unsorted_forward reports about a batch's scores (bits of its return value; 1 = out of memory).
+BAD_NAN, BAD_INF = 2, 4
+# The solver constants come from solvers.py as -D flags (part of the cache key with the other flags), the
+# status bits from here.
+CONSTANTS = {**KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF}
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
-         *(f"-D{name}={value!r}" for name, value in sorted(KERNEL_CONSTANTS.items()))]
+         *(f"-D{name}={value!r}" for name, value in sorted(CONSTANTS.items()))]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -83,9 +87,9 @@ def _build() -> ctypes.CDLL:
     lib.soft_topk_forward.restype = ctypes.c_int
     lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
     lib.soft_topk_backward.restype = ctypes.c_int
-    lib.soft_topk_unsorted_forward.argtypes = [p, p, p, p, f32, p, p, p, p, i64, i64, i32, f64, i32, i32]
+    lib.soft_topk_unsorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, i32]
     lib.soft_topk_unsorted_forward.restype = ctypes.c_int
-    lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, i64, i64, i32]
+    lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32]
     lib.soft_topk_unsorted_backward.restype = ctypes.c_int
     lib.soft_topk_row_top.argtypes = [p, p, p, i64, i64, i32, i32]
     lib.soft_topk_row_top.restype = ctypes.c_int
@@ -161,33 +165,37 @@ def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
 
 
 @ensure_contiguous
-def unsorted_forward(x, valid, centre, eps, bound, tau0, shift, k, tol, max_iter):
-    """The unsorted operator's scalar root per row (``solvers.newton_sigmoid_root``) on the raw scores ``x``
-    (rows, n), normalised in the kernel like :func:`forward`; ``tau0`` and ``shift`` (rows,) are the starting
-    threshold and its log((n-k)/k) shift. Returns the output (rows, n) and info (rows, 2)."""
+def unsorted_solve(x, valid, eps, bound, k, tol, max_iter):
+    """The whole unsorted forward in one call, from the raw scores ``x`` (rows, n), ``valid`` (rows, n) bool or
+    None and the per-row temperature ``eps`` (rows,): per row, the top-(k+1) valid scores, the centre x_(k),
+    the normalisation ``clamp((x - centre) / eps, +-bound)``, the hard-assignment start and the scalar root
+    (``solvers.newton_sigmoid_root``). Returns the output (rows, n), info (rows, 2) and a status: 0, or the bits
+    ``BAD_NAN`` (a NaN anywhere) / ``BAD_INF`` (+inf on a valid entry), for the caller to raise on."""
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=torch.float32)
     info = torch.empty((rows, 2), dtype=torch.float32)
-    _check(x, valid, centre, eps, tau0, shift)
-    failed = library().soft_topk_unsorted_forward(_ptr(x), _ptr(valid), _ptr(centre), _ptr(eps), float(bound),
-                                                  _ptr(tau0), _ptr(shift), _ptr(out), _ptr(info), rows, n, k,
-                                                  float(tol), int(max_iter), torch.get_num_threads())
-    if failed:
+    _check(x, valid, eps)
+    status = library().soft_topk_unsorted_forward(_ptr(x), _ptr(valid), _ptr(eps), float(bound), _ptr(out),
+                                                  _ptr(info), rows, n, k, float(tol), int(max_iter),
+                                                  torch.get_num_threads())
+    if status & 1:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return out, info
+    return out, info, status
 
 
 @ensure_contiguous
-def unsorted_backward(out, grad_out, valid, eps):
-    """dL/dx (rows, n) of the unsorted operator from its output (``backward.sigmoid_grad``, divided by eps)."""
+def unsorted_gradients(out, grad_out, valid, eps, x=None):
+    """dL/dx (rows, n) of the unsorted operator from its output (``backward.sigmoid_grad``, divided by eps);
+    with the scores ``x`` also dL/deps (rows,) (``backward.temperature_grad``), else None."""
     rows, n = out.shape
     grad = torch.empty((rows, n), dtype=torch.float32)
-    _check(out, grad_out, valid, eps)
-    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(eps), _ptr(grad),
-                                                   rows, n, torch.get_num_threads())
+    grad_eps = None if x is None else torch.empty((rows,), dtype=torch.float32)
+    _check(out, grad_out, valid, eps, x)
+    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(eps), _ptr(x),
+                                                   _ptr(grad), _ptr(grad_eps), rows, n, torch.get_num_threads())
     if failed:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return grad
+    return grad, grad_eps
 
 
 def _check(*tensors) -> None:

@@ -61,27 +61,6 @@ class SolverInfo(NamedTuple):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _selection_top(impl: backends.Backend, x: Tensor, valid: Tensor, n_valid: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """The row's k+1 largest valid scores in decreasing order (``-inf`` past the valid ones; a NaN or +inf
-    comes first), and the centre x_(k), the k-th largest valid score (0 for empty rows)."""
-    top = impl.row_top(x, valid, min(k + 1, x.shape[-1]))
-    kth = (n_valid.clamp(max=k) - 1).clamp_min(0).unsqueeze(-1)
-    centre = top.gather(-1, kth).squeeze(-1)
-    return top, torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
-
-
-def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:
-    """NaN or +inf among the valid scores shows up first in ``top``; a NaN under the mask is looked for
-    separately (only when something is masked)."""
-    first = top[:, 0]
-    if bool((torch.isnan(first) | (first == torch.inf)).any()) or (not all_valid and bool(torch.isnan(x).any())):
-        if bool(torch.isnan(x).any()):
-            raise ValueError("soft_topk: scores contain NaN")
-        # Only -inf (largest=True) / +inf (largest=False) marks an excluded entry.
-        raise ValueError("soft_topk: scores contain an infinity on the selected side "
-                         "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
-
-
 def _with_fallback(backend: str, impl: backends.Backend, call):
     """``call(impl)``; when a fused kernel fails to build or launch under ``backend="auto"``, warn once and
     run ``call`` on the PyTorch path instead (a backend named explicitly raises)."""
@@ -97,14 +76,7 @@ def _with_fallback(backend: str, impl: backends.Backend, call):
 def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                   method: str, backend: str) -> Tuple[Tensor, Tensor]:
     impl = backends.select(x, method, backend, sorted)
-    n_valid = valid.sum(-1)
-    all_valid = bool((n_valid == x.shape[-1]).all())
-    top, centre = _selection_top(impl, x, valid, n_valid, k)
-    _check_scores(x, top, all_valid)
-    bound = torch.finfo(x.dtype).max / (8.0 * (k + 2))
-    u_top = torch.where(torch.isfinite(top), solvers.normalise_scores(top, centre, eps, bound), top)  # = u's bits
-    return _with_fallback(backend, impl, lambda b: b.forward(x, valid, all_valid, centre, eps, bound, u_top, k,
-                                                             sorted, tol, max_iter, method))
+    return _with_fallback(backend, impl, lambda b: b.solve(x, valid, eps, k, sorted, tol, max_iter, method))
 
 
 @_soft_topk_op.register_fake
@@ -113,26 +85,11 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
 
-def temperature_grad(grad_x: Tensor, x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
-    """dL/deps (rows,) from dL/dx: the output depends on x / eps only, so dL/deps = -sum_i dL/dx_i x_i / eps
-    (any shift of x cancels, since sum_i dL/dx_i = 0; subtracting the row mean keeps it accurate)."""
-    if bool(valid.all()):  # the common case, in three passes
-        xc = x - x.mean(-1, keepdim=True)
-    else:
-        xc = torch.where(valid, x, torch.zeros_like(x))
-        xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
-        xc = torch.where(valid, xc, torch.zeros_like(xc))
-    return -torch.linalg.vecdot(grad_x, xc) / eps
-
-
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
                            sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
     impl = backends.select(x, "newton", backend, sorted)
-    grad_x = _with_fallback(backend, impl, lambda b: b.backward(grad_out, out, valid, eps, k, sorted))
-    if not eps_grad:  # a constant temperature (scaling="none"): no dL/deps to form
-        return grad_x, torch.zeros_like(eps)
-    return grad_x, temperature_grad(grad_x, x, valid, eps)
+    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, valid, eps, k, sorted, eps_grad))
 
 
 @_soft_topk_backward_op.register_fake

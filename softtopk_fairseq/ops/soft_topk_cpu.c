@@ -6,9 +6,11 @@
  * double. Compiled and loaded by cpu_kernels.py (gcc -O3 -march=native -fopenmp).
  *
  * Layouts (row-major, float32 unless said): x (rows, n) scores, normalised here per row as
- * u = clamp((x - centre) / eps, +-bound) (soft_topk._normalise); valid (rows, n) uint8 or NULL;
+ * u = clamp((x - centre) / eps, +-bound) (solvers.normalise_scores); valid (rows, n) uint8 or NULL;
  * tz, shift, c (rows, mp): tz[l] = t_{l-1} (l = 1..m_act-1), the initial thresholds; m_act (rows,) int32;
  * sorted output (rows, n, k), unsorted (rows, n); info (rows, 2) = iterations, marginal error.
+ * The unsorted forward takes only x, valid and eps: it checks the scores and finds its centre and start
+ * itself (one pass over the row before the solve), which the sorted one is handed.
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,10 +19,11 @@
 
 #define BLOCK 256
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
-/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS) are defined once,
- * in solvers.KERNEL_CONSTANTS, and handed to this file as -D flags by cpu_kernels.py. */
+/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, SATURATION) are
+ * defined once, in solvers.py, and handed to this file as -D flags by cpu_kernels.py, with the status bits of
+ * soft_topk_unsorted_forward (BAD_NAN, BAD_INF). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
-    || !defined(RIDGE_ULPS)
+    || !defined(RIDGE_ULPS) || !defined(SATURATION) || !defined(BAD_NAN) || !defined(BAD_INF)
 #error "compile with the -D flags of cpu_kernels.py (solvers.KERNEL_CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
@@ -470,45 +473,23 @@ static void sigmoid_sums(const float *restrict u, const float *restrict wv, int6
     *slope = s;
 }
 
-typedef struct {
-    const float *x, *centre, *eps, *tau0, *shift;
-    const uint8_t *valid;
-    float bound, *out, *info;
-    int64_t n;
-    int k, max_iter;
-    double tol;
-} unsorted_args;
-
-static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
-    const unsorted_args *a = ctx;
-    int64_t n = a->n, np = padded(n);
-    const float *x = a->x + r * n;
-    const uint8_t *valid = a->valid ? a->valid + r * n : NULL;
-    float *u = w->u, *wv = w->wv, *out = a->out + r * n, *info = a->info + 2 * r;
-    float centre = a->centre[r], eps = a->eps[r], bound = a->bound;
-    normalise_row(x, valid, n, centre, eps, bound, u, wv);
+/* The root of one row whose normalised scores u and weights wv (normalise_row) hold n_valid > k valid
+ * elements, from the better of tau0 and tau0 + shift; writes the row's output and info. */
+static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64_t n_valid, int k, float shift,
+                               float tau0, double tol, int max_iter, float *out, float *info) {
+    int64_t np = padded(n);
     float u_min = INFINITY, u_max = -INFINITY;
-    int64_t n_valid = 0;
     for (int64_t j = 0; j < n; j++) {
         if (wv[j] > 0.0f) {
-            n_valid++;
             u_min = u[j] < u_min ? u[j] : u_min;
             u_max = u[j] > u_max ? u[j] : u_max;
         }
     }
-    int k = a->k;
-    if (n_valid <= k) {  /* nothing to select: every valid element is in */
-        for (int64_t j = 0; j < n; j++) out[j] = wv[j];
-        info[0] = 0.0f;
-        info[1] = 0.0f;
-        return;
-    }
-    float shift = a->shift[r];
     double scale = (double)(k < n_valid - k ? k : n_valid - k);
     scale = scale > 1.0 ? scale : 1.0;
     float lo = u_min + shift, hi = u_max + shift;
     double mass, slope, mass2, slope2;
-    float tau = a->tau0[r];
+    float tau = tau0;
     sigmoid_sums(u, wv, np, tau, &mass, &slope);
     float tau2 = tau + shift;
     sigmoid_sums(u, wv, np, tau2, &mass2, &slope2);
@@ -516,8 +497,8 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     if (fabs(f2) / scale < fabs(f) / scale) { tau = tau2; f = f2; slope = slope2; }
     double err = fabs(f) / scale;
     int it = 0;
-    int done = err <= a->tol;
-    while (!done && it < a->max_iter) {
+    int done = err <= tol;
+    while (!done && it < max_iter) {
         if (f > 0) lo = tau > lo ? tau : lo;   /* f decreases in tau: the root is above */
         if (f < 0) hi = tau < hi ? tau : hi;
         float step = (float)(tau + f / (slope > 1.1754943508222875e-38 ? slope : 1.1754943508222875e-38));
@@ -528,26 +509,112 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
         f = mass - k;
         err = fabs(f) / scale;
         it++;
-        done = err <= a->tol || stuck;
+        done = err <= tol || stuck;
     }
     info[0] = (float)it;
     info[1] = (float)err;
     for (int64_t j = 0; j < n; j++) out[j] = sigmoid_f(u[j] - tau) * wv[j];
 }
 
-int soft_topk_unsorted_forward(const float *x, const uint8_t *valid, const float *centre, const float *eps,
-                               float bound, const float *tau0, const float *shift, float *out, float *info,
-                               int64_t rows, int64_t n, int k, double tol, int max_iter, int threads) {
-    unsorted_args a = {x, centre, eps, tau0, shift, valid, bound, out, info, n, k, max_iter, tol};
-    return parallel_rows(rows, n, 2, threads, unsorted_forward_task, &a);
+/* The hard-assignment start between the k-th and (k+1)-th largest normalised scores (solvers.initial_thresholds
+ * with two anchors): their midpoint, or across a gap wider than 2 * SATURATION the boundary nearest 0 at least
+ * SATURATION from both. */
+static float hard_threshold(float above, float below) {
+    float margin = (float)SATURATION + 8.0f * (float)FLT_EPS * (fabsf(above) + fabsf(below));
+    float t = 0.5f * (above + below);
+    if (above - below > 2.0f * margin) {
+        t = below + margin > 0.0f ? below + margin : 0.0f;
+        t = t < above - margin ? t : above - margin;
+    }
+    return isfinite(t) ? t : 0.0f;
+}
+
+/* The whole unsorted forward of one row from its raw scores: the checks, the top-(k+1) valid scores, the
+ * centre x_(k), the normalisation, the start and the root (what soft_topk.py and backends.Backend.solve
+ * prepare with tensor operations for the other backends). A NaN anywhere in the row, or +inf on a valid
+ * entry, sets a flag in *status (BAD_NAN / BAD_INF) and leaves the row unsolved: the caller raises. */
+#define TOP_ON_STACK 64
+
+typedef struct {
+    const float *x, *eps;
+    const uint8_t *valid;
+    float bound, *out, *info;
+    int64_t n;
+    int k, max_iter;
+    double tol;
+    int *status;
+} unsorted_args;
+
+static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
+    const unsorted_args *a = ctx;
+    int64_t n = a->n;
+    int k = a->k;
+    const float *x = a->x + r * n;
+    const uint8_t *valid = a->valid ? a->valid + r * n : NULL;
+    float *out = a->out + r * n, *info = a->info + 2 * r;
+    int kk = k + 1 < n ? k + 1 : (int)n;
+    float top_stack[TOP_ON_STACK];
+    float *top = kk <= TOP_ON_STACK ? top_stack : malloc(sizeof(float) * kk);
+    if (!top) {
+#pragma omp atomic update
+        *a->status |= 1;
+        return;
+    }
+    for (int q = 0; q < kk; q++) top[q] = -INFINITY;
+    int64_t n_valid = 0;
+    int bad = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = x[j];
+        if (isnan(v)) { bad |= BAD_NAN; continue; }
+        if (valid && !valid[j]) continue;
+        if (v == INFINITY) bad |= BAD_INF;
+        n_valid++;
+        if (!(v > top[kk - 1])) continue;
+        int q = kk - 1;
+        while (q > 0 && v > top[q - 1]) { top[q] = top[q - 1]; q--; }
+        top[q] = v;
+    }
+    if (bad) {
+#pragma omp atomic update
+        *a->status |= bad;
+        if (top != top_stack) free(top);
+        return;
+    }
+    int64_t kth = (n_valid < k ? n_valid : k) - 1;
+    float centre = kth >= 0 ? top[kth] : 0.0f;
+    float eps = a->eps[r], bound = a->bound;
+    normalise_row(x, valid, n, centre, eps, bound, w->u, w->wv);
+    if (n_valid <= k) {  /* nothing to select: every valid element is in */
+        for (int64_t j = 0; j < n; j++) out[j] = w->wv[j];
+        info[0] = 0.0f;
+        info[1] = 0.0f;
+    } else {
+        float above = (top[k - 1] - centre) / eps, below = (top[k] - centre) / eps;
+        above = above < -bound ? -bound : (above > bound ? bound : above);
+        below = below < -bound ? -bound : (below > bound ? bound : below);
+        float shift = logf((float)(n_valid - k)) - logf((float)k);  /* log((n - k) / k): solvers.log_mass_shift */
+        unsorted_solve_row(w->u, w->wv, n, n_valid, k, shift, hard_threshold(above, below), a->tol, a->max_iter,
+                           out, info);
+    }
+    if (top != top_stack) free(top);
+}
+
+/* Returns 0, or a bit set: 1 = scratch memory could not be allocated, BAD_NAN, BAD_INF (see above). */
+int soft_topk_unsorted_forward(const float *x, const uint8_t *valid, const float *eps, float bound, float *out,
+                               float *info, int64_t rows, int64_t n, int k, double tol, int max_iter, int threads) {
+    int status = 0;
+    unsorted_args a = {x, eps, valid, bound, out, info, n, k, max_iter, tol, &status};
+    status |= parallel_rows(rows, n, 2, threads, unsorted_forward_task, &a);
+    return status;
 }
 
 /* dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) on the valid elements
- * (backward.sigmoid_grad): tau's dependence on x gives the second term. */
+ * (backward.sigmoid_grad): tau's dependence on x gives the second term. With x given, also
+ * dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid elements (backward.temperature_grad). */
 typedef struct {
-    const float *out, *gout, *eps;
+    const float *out, *gout, *eps, *x;
     const uint8_t *valid;
-    float *grad;
+    float *grad, *grad_eps;
     int64_t n;
 } unsorted_backward_args;
 
@@ -568,10 +635,24 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     float mean_g = (float)(num / (den > 1.1754943508222875e-38 ? den : 1.1754943508222875e-38));
     float inv_eps = 1.0f / a->eps[r];
     for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;
+    if (a->x == NULL) return;
+    const float *x = a->x + r * n;
+    double sum_x = 0.0;
+    int64_t n_valid = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (valid == NULL || valid[j]) { sum_x += x[j]; n_valid++; }
+    }
+    float mean_x = n_valid > 0 ? (float)(sum_x / (double)n_valid) : 0.0f;
+    double dot = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        if (valid == NULL || valid[j]) dot += (double)grad[j] * (double)(x[j] - mean_x);
+    }
+    a->grad_eps[r] = (float)(-dot * inv_eps);
 }
 
+/* x and grad_eps: both NULL when dL/deps is not wanted. */
 int soft_topk_unsorted_backward(const float *out, const float *gout, const uint8_t *valid, const float *eps,
-                                float *grad, int64_t rows, int64_t n, int threads) {
-    unsorted_backward_args a = {out, gout, eps, valid, grad, n};
+                                const float *x, float *grad, float *grad_eps, int64_t rows, int64_t n, int threads) {
+    unsorted_backward_args a = {out, gout, eps, x, valid, grad, grad_eps, n};
     return parallel_rows(rows, n, 2, threads, unsorted_backward_task, &a);
 }
