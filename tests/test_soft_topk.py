@@ -259,8 +259,9 @@ def test_fixed_iteration_sinkhorn_runs_exactly_max_iter():
     assert info.iterations.tolist() == [17.0, 17.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32 on CPU: the C kernel's version
 @pytest.mark.parametrize("sorted", [False, True])
-def test_paper_temperature_and_its_gradient_match_the_cost_maximum_over_the_whole_row(sorted):
+def test_paper_temperature_and_its_gradient_match_the_cost_maximum_over_the_whole_row(sorted, dtype):
     """effective_epsilon's paper scaling computes M = max cost from the row's extremes with a one-entry
     derivative; check value and gradient against the definition (max over every valid entry and anchor of
     (x_i - y_l)^2, autograd through it), with masks, a row of one valid entry and an all-masked row."""
@@ -273,16 +274,16 @@ def test_paper_temperature_and_its_gradient_match_the_cost_maximum_over_the_whol
     mask[4] = False
     mask[4, 2] = True   # one valid entry
     mask[5] = False     # all masked
-    xg = x.clone().requires_grad_()
+    xg = x.clone().to(dtype).requires_grad_()
     eps = effective_epsilon(xg, k, epsilon=0.1, sorted=sorted, scaling="paper", mask=mask)
     anchors = torch.arange(k + 1 if sorted else 2, dtype=torch.float64)
     x2 = x.clone().requires_grad_()
     cost = (x2.unsqueeze(-1) - anchors).square().amax(-1)
     m = torch.where(mask, cost, torch.zeros_like(cost)).amax(-1)
     want = torch.where(m > 0, 0.1 * m / 2, torch.full_like(m, 0.1))
-    torch.testing.assert_close(eps, want)
+    torch.testing.assert_close(eps, want.to(dtype))
     w = torch.randn(6, dtype=torch.float64)
-    (eps * w).sum().backward()
+    (eps * w.to(dtype)).sum().backward()
     (want * w).sum().backward()
-    torch.testing.assert_close(xg.grad, x2.grad)
+    torch.testing.assert_close(xg.grad, x2.grad.to(dtype))
     assert float(xg.grad[5].abs().sum()) == 0 and int((xg.grad != 0).sum(-1).max()) == 1

@@ -70,6 +70,27 @@ class Backend:
             return grad_x, torch.zeros_like(eps)
         return grad_x, implicit_backward.temperature_grad(grad_x, x, valid, eps)
 
+    def paper_temperature(self, x: Tensor, valid: Tensor, anchor_top: float,
+                          epsilon: float) -> Tuple[Tensor, Tensor, Tensor]:
+        """The paper scaling's temperature per row (``soft_topk._PaperTemperature`` states it), the index of the
+        entry where the row's maximal cost sits and d eps / d x there: (eps, at, slope), each (rows,)."""
+        all_valid = bool(valid.all())
+        hi, hi_at = (x if all_valid else torch.where(valid, x, -torch.inf)).max(-1)
+        lo, lo_at = (x if all_valid else torch.where(valid, x, torch.inf)).min(-1)
+        any_valid = torch.isfinite(hi)  # x itself is finite wherever valid (checked by the op)
+        hi, lo = torch.where(any_valid, hi, 0.0), torch.where(any_valid, lo, 0.0)
+        # The cost at each extreme, and its derivative d/dv max(v^2, (v - K)^2) there.
+        cost_hi = torch.maximum(hi.square(), (hi - anchor_top).square())
+        cost_lo = torch.maximum(lo.square(), (lo - anchor_top).square())
+        slope_hi = torch.where(hi.square() >= (hi - anchor_top).square(), 2 * hi, 2 * (hi - anchor_top))
+        slope_lo = torch.where(lo.square() >= (lo - anchor_top).square(), 2 * lo, 2 * (lo - anchor_top))
+        use_hi = cost_hi >= cost_lo
+        cost = torch.where(use_hi, cost_hi, cost_lo)
+        positive = (cost > 0) & any_valid  # a row without valid entries: M = 0, temperature epsilon
+        eps = torch.where(positive, epsilon * cost / 2, torch.full_like(cost, epsilon))
+        slope = torch.where(positive, epsilon / 2 * torch.where(use_hi, slope_hi, slope_lo), 0.0)
+        return eps, torch.where(use_hi, hi_at, lo_at), slope
+
     def row_top(self, x: Tensor, valid: Tensor, kk: int) -> Tensor:
         """The ``kk`` largest valid scores of each row, decreasing; ``-inf`` past the valid ones, NaN first."""
         xv = torch.where(valid, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device))
@@ -186,6 +207,9 @@ class CpuBackend(FusedBackend):
 
     def row_top(self, x, valid, kk):
         return cpu_kernels.row_top(x, valid, kk)
+
+    def paper_temperature(self, x, valid, anchor_top, epsilon):
+        return cpu_kernels.paper_temperature(x, valid, anchor_top, epsilon)
 
     def solve(self, x, valid, eps, k, sorted, tol, max_iter, method):
         if sorted:

@@ -91,6 +91,8 @@ def _build() -> ctypes.CDLL:
     lib.soft_topk_unsorted_forward.restype = ctypes.c_int
     lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32]
     lib.soft_topk_unsorted_backward.restype = ctypes.c_int
+    lib.soft_topk_paper_temperature.argtypes = [p, p, i64, i64, f32, f32, p, p, p, i32]
+    lib.soft_topk_paper_temperature.restype = ctypes.c_int
     lib.soft_topk_row_top.argtypes = [p, p, p, i64, i64, i32, i32]
     lib.soft_topk_row_top.restype = ctypes.c_int
     return lib
@@ -129,6 +131,21 @@ def row_top(x, valid, kk):
     _check(x, valid)
     library().soft_topk_row_top(_ptr(x), _ptr(valid), _ptr(top), rows, n, kk, torch.get_num_threads())
     return top
+
+
+@ensure_contiguous
+def paper_temperature(x, valid, anchor_top, epsilon):
+    """The paper scaling's per-row temperature of ``x`` (rows, n) over its ``valid`` entries (bool or None), in
+    one pass: ``eps`` (rows,), the index ``at`` (rows,) int64 where the row's maximal cost sits and the
+    derivative ``slope`` (rows,) of eps in that entry (``soft_topk._PaperTemperature`` states the math)."""
+    rows, n = x.shape
+    eps = torch.empty((rows,), dtype=torch.float32)
+    slope = torch.empty((rows,), dtype=torch.float32)
+    at = torch.empty((rows,), dtype=torch.int64)
+    _check(x, valid)
+    library().soft_topk_paper_temperature(_ptr(x), _ptr(valid), rows, n, float(anchor_top), float(epsilon), _ptr(eps),
+                                          _ptr(at), _ptr(slope), torch.get_num_threads())
+    return eps, at, slope
 
 
 @ensure_contiguous

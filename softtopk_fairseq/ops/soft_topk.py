@@ -157,42 +157,34 @@ def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
 
 class _PaperTemperature(torch.autograd.Function):
     """The paper scaling's per-row temperature ``epsilon * M / 2``, ``M = max_i max(x_i^2, (x_i - K)^2)`` over
-    the valid entries (``K``: the top anchor). The cost is convex in ``x``, so ``M`` sits at the row's largest
-    or smallest valid score: two reductions, and a derivative with one nonzero entry per row -- a handful of
-    operations instead of an autograd graph over the whole row (this runs on every call)."""
+    the valid entries (``K``: the top anchor; ``epsilon`` itself for a row with ``M = 0`` or no valid entry).
+    The cost is convex in ``x``, so ``M`` sits at the row's largest or smallest valid score: two reductions,
+    and a derivative with one nonzero entry per row -- a handful of operations instead of an autograd graph
+    over the whole row (this runs on every call). The backend computes ``(eps, at, slope)``: the temperature,
+    the entry where ``M`` sits and d eps / d x there (``Backend.paper_temperature``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, valid: Tensor, anchor_top: float, epsilon: float) -> Tensor:
-        all_valid = bool(valid.all())
-        hi, hi_at = (x if all_valid else torch.where(valid, x, -torch.inf)).max(-1)
-        lo, lo_at = (x if all_valid else torch.where(valid, x, torch.inf)).min(-1)
-        any_valid = torch.isfinite(hi)  # x itself is finite wherever valid (checked by the caller's op)
-        hi, lo = torch.where(any_valid, hi, 0.0), torch.where(any_valid, lo, 0.0)
-        # The cost at each extreme, and its derivative d/dv max(v^2, (v - K)^2) there.
-        cost_hi = torch.maximum(hi.square(), (hi - anchor_top).square())
-        cost_lo = torch.maximum(lo.square(), (lo - anchor_top).square())
-        slope_hi = torch.where(hi.square() >= (hi - anchor_top).square(), 2 * hi, 2 * (hi - anchor_top))
-        slope_lo = torch.where(lo.square() >= (lo - anchor_top).square(), 2 * lo, 2 * (lo - anchor_top))
-        use_hi = cost_hi >= cost_lo
-        cost = torch.where(use_hi, cost_hi, cost_lo)
-        positive = (cost > 0) & any_valid  # a row without valid entries: M = 0, temperature epsilon
-        ctx.save_for_backward(torch.where(use_hi, hi_at, lo_at),
-                              torch.where(positive, epsilon / 2 * torch.where(use_hi, slope_hi, slope_lo), 0.0))
+    def forward(ctx, x: Tensor, valid: Tensor, anchor_top: float, epsilon: float, impl: backends.Backend) -> Tensor:
+        eps, at, slope = impl.paper_temperature(x, valid, anchor_top, epsilon)
+        ctx.save_for_backward(at, slope)
         ctx.shape = x.shape
-        return torch.where(positive, epsilon * cost / 2, torch.full_like(cost, epsilon))
+        return eps
 
     @staticmethod
     def backward(ctx, grad_eps):
         at, slope = ctx.saved_tensors
         grad_x = grad_eps.new_zeros(ctx.shape).scatter_(-1, at.unsqueeze(-1), (grad_eps * slope).unsqueeze(-1))
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
-def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: bool, scaling: str) -> Tensor:
-    """Per-row temperature in score units of (rows, n) scores (already negated when largest=False)."""
+def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: bool, scaling: str,
+                     backend: str, method: str = "newton") -> Tensor:
+    """Per-row temperature in score units of (rows, n) scores (already negated when largest=False), computed
+    by the backend that runs the call."""
     if scaling != "paper":
         return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
-    return _PaperTemperature.apply(x, valid, float(k if sorted else 1), float(epsilon))
+    impl = backends.select(x, method, backend, sorted)
+    return _PaperTemperature.apply(x, valid, float(k if sorted else 1), float(epsilon), impl)
 
 
 def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
@@ -209,7 +201,8 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
     if not largest:
         x = -x
     rows = x.reshape(-1, x.shape[-1])
-    return _row_temperature(rows, valid.reshape(rows.shape), k, epsilon, sorted, scaling).reshape(x.shape[:-1])
+    return _row_temperature(rows, valid.reshape(rows.shape), k, epsilon, sorted, scaling,
+                            backends.resolve("auto")).reshape(x.shape[:-1])
 
 
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
@@ -255,12 +248,13 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         valid = valid & mask.expand(scores.shape).movedim(dim, -1).reshape(-1, n)
     if not largest:
         x = -x
-    eps = _row_temperature(x, valid, k, epsilon, sorted, scaling)
+    backend = backends.resolve(backend)
+    eps = _row_temperature(x, valid, k, epsilon, sorted, scaling, backend, method)
     if tol is None:
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backends.resolve(backend))
+    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backend)
     if not torch.compiler.is_compiling():
         # Rows may also stop early at their rounding floor (float32 scores far from 0 relative to epsilon
         # carry only ~1e-7 * |x| / epsilon of information); that is reported in the info, not warned about.

@@ -450,24 +450,33 @@ int soft_topk_row_top(const float *x, const uint8_t *valid, float *top, int64_t 
 
 static inline float sigmoid_f(float z) {
     float e = exp_nonpos(z >= 0.0f ? -z : z);  /* e^{-|z|}: never overflows */
-    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    float r = 1.0f / (1.0f + e);                /* one division for both branches */
+    return z >= 0.0f ? r : e * r;
 }
 
 /* f(tau) + k = sum_i A_i and sum_i A_i (1 - A_i) over the valid elements (wv = 1, else 0). */
 static void sigmoid_sums(const float *restrict u, const float *restrict wv, int64_t np, float tau, double *mass,
                          double *slope) {
+    /* PAD lanes accumulate a block each (np is a multiple of PAD), then a tree sums the lanes: gcc's own
+     * reduction epilogue adds the lanes one by one, which costs more than the block itself for short rows. */
     double m = 0.0, s = 0.0;
     for (int64_t start = 0; start < np; start += BLOCK) {
-        int nb = (int)(np - start < BLOCK ? np - start : BLOCK);
-        float mb = 0.0f, sb = 0.0f;
-#pragma omp simd reduction(+ : mb, sb)
-        for (int j = 0; j < nb; j++) {
-            float a = sigmoid_f(u[start + j] - tau) * wv[start + j];
-            mb += a;
-            sb += a * (1.0f - a);
+        int64_t end = np - start < BLOCK ? np : start + BLOCK;
+        float mb[PAD], sb[PAD];
+        for (int q = 0; q < PAD; q++) { mb[q] = 0.0f; sb[q] = 0.0f; }
+        for (int64_t j = start; j < end; j += PAD) {
+#pragma omp simd
+            for (int q = 0; q < PAD; q++) {
+                float a = sigmoid_f(u[j + q] - tau) * wv[j + q];
+                mb[q] += a;
+                sb[q] += a * (1.0f - a);
+            }
         }
-        m += mb;
-        s += sb;
+        for (int w = PAD / 2; w > 0; w /= 2) {
+            for (int q = 0; q < w; q++) { mb[q] += mb[q + w]; sb[q] += sb[q + w]; }
+        }
+        m += mb[0];
+        s += sb[0];
     }
     *mass = m;
     *slope = s;
@@ -479,11 +488,11 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64
                                float tau0, double tol, int max_iter, float *out, float *info) {
     int64_t np = padded(n);
     float u_min = INFINITY, u_max = -INFINITY;
+#pragma omp simd reduction(min : u_min) reduction(max : u_max)
     for (int64_t j = 0; j < n; j++) {
-        if (wv[j] > 0.0f) {
-            u_min = u[j] < u_min ? u[j] : u_min;
-            u_max = u[j] > u_max ? u[j] : u_max;
-        }
+        float lo_j = wv[j] > 0.0f ? u[j] : INFINITY, hi_j = wv[j] > 0.0f ? u[j] : -INFINITY;
+        u_min = lo_j < u_min ? lo_j : u_min;
+        u_max = hi_j > u_max ? hi_j : u_max;
     }
     double scale = (double)(k < n_valid - k ? k : n_valid - k);
     scale = scale > 1.0 ? scale : 1.0;
@@ -534,6 +543,8 @@ static float hard_threshold(float above, float below) {
  * prepare with tensor operations for the other backends). A NaN anywhere in the row, or +inf on a valid
  * entry, sets a flag in *status (BAD_NAN / BAD_INF) and leaves the row unsolved: the caller raises. */
 #define TOP_ON_STACK 64
+#define SHORT_ROW 256      /* rows up to this length take the branchless top-(k+1) ... */
+#define SHORT_ROW_TOP 8    /* ... when k + 1 is at most this */
 
 typedef struct {
     const float *x, *eps;
@@ -563,16 +574,42 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     for (int q = 0; q < kk; q++) top[q] = -INFINITY;
     int64_t n_valid = 0;
     int bad = 0;
-    for (int64_t j = 0; j < n; j++) {
-        float v = x[j];
-        if (isnan(v)) { bad |= BAD_NAN; continue; }
-        if (valid && !valid[j]) continue;
-        if (v == INFINITY) bad |= BAD_INF;
-        n_valid++;
-        if (!(v > top[kk - 1])) continue;
-        int q = kk - 1;
-        while (q > 0 && v > top[q - 1]) { top[q] = top[q - 1]; q--; }
-        top[q] = v;
+    if (n <= SHORT_ROW && kk <= SHORT_ROW_TOP) {
+        /* Short rows: most elements enter the top, so an insertion's branches mispredict. Instead every
+         * element goes into a fixed-width descending array in one vector step: new_q = max(top_q,
+         * min(v, top_{q-1})) (top_{-1} = +inf) keeps the larger entries, puts v in its place and shifts
+         * the smaller ones down. */
+        float tw[SHORT_ROW_TOP];
+        for (int q = 0; q < SHORT_ROW_TOP; q++) tw[q] = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            float v = x[j];
+            int keep = (valid == NULL || valid[j]) && !isnan(v);
+            bad |= isnan(v) ? BAD_NAN : 0;
+            bad |= (keep && v == INFINITY) ? BAD_INF : 0;
+            n_valid += keep;
+            float carry = keep ? v : -INFINITY, next[SHORT_ROW_TOP];
+#pragma GCC unroll 16
+            for (int q = 0; q < SHORT_ROW_TOP; q++) {  /* from the old entries only: stays in registers */
+                float up = q > 0 ? tw[q - 1] : INFINITY;
+                float m = carry < up ? carry : up;
+                next[q] = tw[q] > m ? tw[q] : m;
+            }
+#pragma GCC unroll 16
+            for (int q = 0; q < SHORT_ROW_TOP; q++) tw[q] = next[q];
+        }
+        memcpy(top, tw, sizeof(float) * kk);
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            float v = x[j];
+            if (isnan(v)) { bad |= BAD_NAN; continue; }
+            if (valid && !valid[j]) continue;
+            if (v == INFINITY) bad |= BAD_INF;
+            n_valid++;
+            if (!(v > top[kk - 1])) continue;
+            int q = kk - 1;
+            while (q > 0 && v > top[q - 1]) { top[q] = top[q - 1]; q--; }
+            top[q] = v;
+        }
     }
     if (bad) {
 #pragma omp atomic update
@@ -634,20 +671,27 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     }
     float mean_g = (float)(num / (den > 1.1754943508222875e-38 ? den : 1.1754943508222875e-38));
     float inv_eps = 1.0f / a->eps[r];
-    for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;
-    if (a->x == NULL) return;
+    if (a->x == NULL) {
+        for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;
+        return;
+    }
+    /* sum_i grad_i (x_i - mean x) = sum_i grad_i x_i - mean x sum_i grad_i, accumulated in double in the same
+     * pass (masked entries have grad 0 and x finite or -inf: they are skipped). */
     const float *x = a->x + r * n;
-    double sum_x = 0.0;
+    double gx = 0.0, gs = 0.0, xs = 0.0;
     int64_t n_valid = 0;
     for (int64_t j = 0; j < n; j++) {
-        if (valid == NULL || valid[j]) { sum_x += x[j]; n_valid++; }
+        float gj = grad[j] * (g[j] - mean_g) * inv_eps;
+        grad[j] = gj;
+        if (valid == NULL || valid[j]) {
+            gx += (double)gj * x[j];
+            gs += gj;
+            xs += x[j];
+            n_valid++;
+        }
     }
-    float mean_x = n_valid > 0 ? (float)(sum_x / (double)n_valid) : 0.0f;
-    double dot = 0.0;
-    for (int64_t j = 0; j < n; j++) {
-        if (valid == NULL || valid[j]) dot += (double)grad[j] * (double)(x[j] - mean_x);
-    }
-    a->grad_eps[r] = (float)(-dot * inv_eps);
+    double mean_x = n_valid > 0 ? xs / (double)n_valid : 0.0;
+    a->grad_eps[r] = (float)(-(gx - mean_x * gs) * inv_eps);
 }
 
 /* x and grad_eps: both NULL when dL/deps is not wanted. */
@@ -655,4 +699,39 @@ int soft_topk_unsorted_backward(const float *out, const float *gout, const uint8
                                 const float *x, float *grad, float *grad_eps, int64_t rows, int64_t n, int threads) {
     unsorted_backward_args a = {out, gout, eps, x, valid, grad, grad_eps, n};
     return parallel_rows(rows, n, 2, threads, unsorted_backward_task, &a);
+}
+
+/* ---- the paper scaling's per-row temperature (soft_topk._PaperTemperature, the definition) --------------
+ * eps_r = epsilon * M / 2 with M = max_i max(x_i^2, (x_i - K)^2) over the valid elements (epsilon itself when
+ * M = 0 or nothing is valid); the cost is convex, so M sits at the row's largest or smallest valid score:
+ * one pass for both, then at[r] = where M is attained (the first such element) and slope[r] = dEps/dx there. */
+int soft_topk_paper_temperature(const float *x, const uint8_t *valid, int64_t rows, int64_t n, float anchor_top,
+                                float epsilon, float *eps, int64_t *at, float *slope, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        const uint8_t *vr = valid ? valid + r * n : NULL;
+        float hi = -INFINITY, lo = INFINITY;
+        int64_t hi_at = 0, lo_at = 0;
+        for (int64_t j = 0; j < n; j++) {
+            if (vr && !vr[j]) continue;
+            float v = xr[j];
+            if (v > hi) { hi = v; hi_at = j; }
+            if (v < lo) { lo = v; lo_at = j; }
+        }
+        int any_valid = isfinite(hi);
+        if (!any_valid) { hi = 0.0f; lo = 0.0f; }
+        float hi_up = hi * hi, hi_down = (hi - anchor_top) * (hi - anchor_top);
+        float lo_up = lo * lo, lo_down = (lo - anchor_top) * (lo - anchor_top);
+        float cost_hi = hi_up > hi_down ? hi_up : hi_down, cost_lo = lo_up > lo_down ? lo_up : lo_down;
+        float slope_hi = hi_up >= hi_down ? 2.0f * hi : 2.0f * (hi - anchor_top);
+        float slope_lo = lo_up >= lo_down ? 2.0f * lo : 2.0f * (lo - anchor_top);
+        int use_hi = cost_hi >= cost_lo;
+        float cost = use_hi ? cost_hi : cost_lo;
+        int positive = cost > 0.0f && any_valid;
+        at[r] = use_hi ? hi_at : lo_at;
+        slope[r] = positive ? epsilon / 2.0f * (use_hi ? slope_hi : slope_lo) : 0.0f;
+        eps[r] = positive ? epsilon * cost / 2.0f : epsilon;
+    }
+    return 0;
 }
