@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/bench_soft_topk.py [--shapes generic attention beam] [--repeats 5]
 
 For each shape (rows x n, k = 5, float32, forward + backward of a random linear loss) it prints the
-median time of the unsorted operator's peers too (our PyTorch path, entmax's ``budget_bisect`` -- 50
-bisection steps, a sparse top-k mask, from the ``bench`` extra -- and the perturbed top-k of Berthet et al.
-with 10 and 100 samples and its Monte-Carlo backward), the ratio budget_bisect / ours unsorted, and the
+median time of the unsorted operator's peers too (our PyTorch path and entmax's ``budget_bisect`` -- 50
+bisection steps, a sparse top-k mask, from the ``bench`` extra -- timed in turn with ours, ``--peer-repeats``
+calls each, so that the ratio budget_bisect / ours unsorted is not moved by the machine's speed drifting; and
+the perturbed top-k of Berthet et al. with 10 and 100 samples and its Monte-Carlo backward), and the
 median time of: our sorted and unsorted op (Newton + closed-form backward; ``backend="auto"``, which on CPU
 runs the sorted op in the fused C kernels of ``cpu_kernels.py``), our sorted op on the eager PyTorch path
 (``backend="torch"``), a faithful re-implementation of
@@ -52,6 +53,20 @@ def median_time(fn, repeats):
     return statistics.median(times)
 
 
+def interleaved_medians(fns, repeats):
+    """Median seconds of each of ``fns`` (name -> callable), called in turn ``repeats`` times after a warm-up
+    round: a drift in the machine's speed during the run hits all of them alike, so their ratios compare."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def peak_backward_bytes(forward):
     """Peak CPU memory allocated by torch during the backward (torch.profiler memory events)."""
     out, loss_weights, x = forward()
@@ -95,6 +110,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peer-repeats", type=int, default=50,
+                        help="calls of each unsorted peer (ours, our PyTorch path, budget_bisect), interleaved")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--no-unrolled", action="store_true", help="skip autograd through unrolled Sinkhorn")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -108,7 +125,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, k={K}, eps={EPS} "
-          f"(paper scaling), forward+backward, median of {args.repeats}")
+          f"(paper scaling), forward+backward, median of {args.repeats} (unsorted peers: {args.peer_repeats}, "
+          "interleaved)")
     header = ("shape", "ours sorted", "ours unsorted", "ours sorted torch path", "paper 200it", "unrolled 200it", "torch.topk",
               "paper/ours", "bwd peak ours", "bwd peak paper", "err ours", "err paper", "ours unsorted torch path",
               "entmax budget_bisect", "budget_bisect/ours unsorted", "perturbed 10 unsorted",
@@ -173,20 +191,22 @@ def bench_shape(name, args):
     ours_torch = lambda z: soft_topk(z, K, epsilon=EPS, sorted=True, scaling="paper", backend="torch")  # noqa: E731
     paper = lambda z: paper_sorted_soft_topk(z, K, epsilon=EPS, max_iter=200)  # noqa: E731
     t_sorted = median_time(fwd_bwd(ours_sorted, x, w), args.repeats)
-    t_unsorted = median_time(fwd_bwd(ours_unsorted, x, w), args.repeats)
     t_torch = median_time(fwd_bwd(ours_torch, x, w), args.repeats)
     t_paper = median_time(fwd_bwd(paper, x, w), args.repeats)
     t_unrolled = float("nan")
     if not args.no_unrolled and rows * n <= 300_000:
         t_unrolled = median_time(fwd_bwd(unrolled_sinkhorn, x, w), max(1, args.repeats // 2))
     t_topk = median_time(lambda: torch.topk(x, K, dim=-1), args.repeats)
-    # Peers of the unsorted operator: our PyTorch path, entmax's 50-iteration bisection (a sparse top-k mask),
-    # and the perturbed top-k (10 and 100 samples, Monte-Carlo backward), forward + backward each.
-    t_unsorted_torch = median_time(fwd_bwd(lambda z: soft_topk(z, K, epsilon=EPS, scaling="paper", backend="torch"),
-                                           x, w), args.repeats)
-    t_bisect = float("nan")
+    # Peers of the unsorted operator, forward + backward each, timed in turn (interleaved_medians): our PyTorch
+    # path and entmax's 50-iteration bisection (a sparse top-k mask) -- fast ops, so many repeats; then the
+    # perturbed top-k (10 and 100 samples, Monte-Carlo backward).
+    peers = {"ours": fwd_bwd(ours_unsorted, x, w),
+             "torch": fwd_bwd(lambda z: soft_topk(z, K, epsilon=EPS, scaling="paper", backend="torch"), x, w)}
     if budget_bisect is not None:
-        t_bisect = median_time(fwd_bwd(lambda z: budget_bisect(z, K), x, w), args.repeats)
+        peers["bisect"] = fwd_bwd(lambda z: budget_bisect(z, K), x, w)
+    t_peers = interleaved_medians(peers, args.peer_repeats)
+    t_unsorted, t_unsorted_torch = t_peers["ours"], t_peers["torch"]
+    t_bisect = t_peers.get("bisect", float("nan"))
     t_perturbed = {samples: median_time(fwd_bwd(lambda z: perturbed_topk(z, K, sigma=EPS, samples=samples), x, w),
                                         max(1, args.repeats // 2)) for samples in (10, 100)}
 

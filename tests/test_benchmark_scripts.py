@@ -25,7 +25,8 @@ def test_benchmark_script_prints_its_table(script, args, rows):
 
 def test_operator_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_soft_topk.py"), "--shapes", "generic",
-                          "--repeats", "1", "--no-unrolled", "--threads", "1"], capture_output=True, text=True,
+                          "--repeats", "1", "--peer-repeats", "2", "--no-unrolled", "--threads", "1"],
+                         capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| generic")]

@@ -6,20 +6,23 @@ from softtopk_fairseq.ops import soft_topk
 
 
 class TopKGate(torch.nn.Module):
-    def __init__(self, sorted):
+    def __init__(self, sorted, scaling):
         super().__init__()
         self.proj = torch.nn.Linear(6, 6)
-        self.sorted = sorted
+        self.sorted, self.scaling = sorted, scaling
 
     def forward(self, x, mask):
-        a = soft_topk(self.proj(x), 2, epsilon=0.3, sorted=self.sorted, mask=mask)
+        a = soft_topk(self.proj(x), 2, epsilon=0.3, sorted=self.sorted, mask=mask, scaling=self.scaling)
         return a.sum(-1) if self.sorted else a
 
 
+@pytest.mark.parametrize("scaling", ["none", "paper"])
 @pytest.mark.parametrize("sorted", [False, True])
-def test_compiles_with_fullgraph_and_matches_eager(sorted):
+def test_compiles_with_fullgraph_and_matches_eager(sorted, scaling):
+    """Compiled: the custom op (and the paper temperature's PyTorch version); eager: the autograd.Function
+    and the fused kernels. Same outputs and gradients."""
     torch.manual_seed(0)
-    model = TopKGate(sorted)
+    model = TopKGate(sorted, scaling)
     x = torch.randn(5, 6)
     mask = torch.rand(5, 6) > 0.2
     mask[:, :3] = True

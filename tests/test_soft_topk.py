@@ -287,3 +287,20 @@ def test_paper_temperature_and_its_gradient_match_the_cost_maximum_over_the_whol
     (want * w).sum().backward()
     torch.testing.assert_close(xg.grad, x2.grad.to(dtype))
     assert float(xg.grad[5].abs().sum()) == 0 and int((xg.grad != 0).sum(-1).max()) == 1
+
+
+def test_unsorted_root_steps_in_log_space_from_the_tail(monkeypatch):
+    """For k small against n (LOG_STEP_FRACTION) the unsorted root takes Newton steps on log(sum A) - log k:
+    the same root as plain Newton, in fewer steps where the temperature is broad (the paper scaling)."""
+    from softtopk_fairseq.ops import solvers
+
+    torch.manual_seed(4)
+    x = torch.randn(64, 1000, dtype=f64)
+    default, results = solvers.LOG_STEP_FRACTION, {}
+    for fraction in (default, 0.0):  # 0: plain Newton everywhere
+        monkeypatch.setattr(solvers, "LOG_STEP_FRACTION", fraction)
+        results[fraction] = soft_topk(x, 5, epsilon=0.1, scaling="paper", backend="torch", return_info=True)
+    (a_log, info_log), (a_plain, info_plain) = results[default], results[0.0]
+    assert bool(info_log.converged.all()) and bool(info_plain.converged.all())
+    torch.testing.assert_close(a_log, a_plain, atol=1e-9, rtol=0)
+    assert float(info_log.iterations.mean()) + 2 <= float(info_plain.iterations.mean())

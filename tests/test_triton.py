@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from softtopk_fairseq.ops import triton_kernels as tk
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, UNSORTED_KERNEL_CONSTANTS
 
 FWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "centre_ptr": "*fp32", "eps_ptr": "*fp32", "bound": "fp32",
        "tz_ptr": "*fp32", "shift_ptr": "*fp32", "c_ptr": "*fp32", "mact_ptr": "*i32", "out_ptr": "*fp32",
@@ -37,9 +37,10 @@ for arch in map(int, sys.argv[1:]):
             "k": "i32", "tol": "fp32", "max_iter": "i32"}
     UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "grad_ptr": "*fp32",
             "n": "i32"}
-    for fn, sig in ((tk.soft_topk_unsorted_forward_kernel, UFWD), (tk.soft_topk_unsorted_backward_kernel, UBWD)):
+    for fn, sig, extra in ((tk.soft_topk_unsorted_forward_kernel, UFWD, UNSORTED_KERNEL_CONSTANTS),
+                           (tk.soft_topk_unsorted_backward_kernel, UBWD, {})):
         for has_mask in (True, False):
-            consts = {"HAS_MASK": has_mask, "BLOCK_N": 256}
+            consts = {"HAS_MASK": has_mask, "BLOCK_N": 256, **extra}
             signature = dict(sig, **{name: "constexpr" for name in consts})
             triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32))

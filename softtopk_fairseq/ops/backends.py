@@ -74,7 +74,8 @@ class Backend:
                           epsilon: float) -> Tuple[Tensor, Tensor, Tensor]:
         """The paper scaling's temperature per row (``soft_topk._PaperTemperature`` states it), the index of the
         entry where the row's maximal cost sits and d eps / d x there: (eps, at, slope), each (rows,)."""
-        all_valid = bool(valid.all())
+        # (the shortcut reads a tensor's value: not while torch.compile traces)
+        all_valid = not torch.compiler.is_compiling() and bool(valid.all())
         hi, hi_at = (x if all_valid else torch.where(valid, x, -torch.inf)).max(-1)
         lo, lo_at = (x if all_valid else torch.where(valid, x, torch.inf)).min(-1)
         any_valid = torch.isfinite(hi)  # x itself is finite wherever valid (checked by the op)

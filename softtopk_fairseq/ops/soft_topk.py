@@ -56,8 +56,11 @@ class SolverInfo(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The op on 2-D (rows, n) tensors, registered with torch.library so torch.compile sees one opaque node. Which
-# backend computes it (backends.py) is chosen once per call; the op itself never asks which one it holds.
+# The op on 2-D (rows, n) tensors. Which backend computes it (backends.py) is chosen once per call; the op itself
+# never asks which one it holds. Two wrappers of the same two functions (_solve, _gradients): a custom op
+# registered with torch.library, so that torch.compile sees one opaque node, and -- in eager mode, where the
+# custom op's dispatch and autograd wrapper cost ~100 us per call, as much as the whole solve of a 64x1000
+# batch -- a plain autograd.Function.
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -72,11 +75,22 @@ def _with_fallback(backend: str, impl: backends.Backend, call):
         return call(backends.fall_back(impl, str(e)))
 
 
+def _solve(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int, method: str,
+           backend: str) -> Tuple[Tensor, Tensor]:
+    impl = backends.select(x, method, backend, sorted)
+    return _with_fallback(backend, impl, lambda b: b.solve(x, valid, eps, k, sorted, tol, max_iter, method))
+
+
+def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool,
+               backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+    impl = backends.select(x, "newton", backend, sorted)
+    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, valid, eps, k, sorted, eps_grad))
+
+
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
 def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                   method: str, backend: str) -> Tuple[Tensor, Tensor]:
-    impl = backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.solve(x, valid, eps, k, sorted, tol, max_iter, method))
+    return _solve(x, valid, eps, k, sorted, tol, max_iter, method, backend)
 
 
 @_soft_topk_op.register_fake
@@ -88,8 +102,7 @@ def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
                            sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
-    impl = backends.select(x, "newton", backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, valid, eps, k, sorted, eps_grad))
+    return _gradients(grad_out, out, x, valid, eps, k, sorted, backend, eps_grad)
 
 
 @_soft_topk_backward_op.register_fake
@@ -111,6 +124,24 @@ def _backward_fn(ctx, grad_out, grad_info):
 
 
 _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
+
+
+class _SoftTopKEager(torch.autograd.Function):
+    """The same op in eager mode (see above): ``_solve`` forward, ``_gradients`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, valid, eps, k, sorted, tol, max_iter, method, backend):
+        out, info = _solve(x, valid, eps, k, sorted, tol, max_iter, method, backend)
+        ctx.mark_non_differentiable(info)
+        _setup_context(ctx, (x, valid, eps, k, sorted, tol, max_iter, method, backend), (out, info))
+        return out, info
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_info):
+        out, x, valid, eps = ctx.saved_tensors
+        grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted, ctx.backend,
+                                      ctx.needs_input_grad[2])
+        return grad_x, None, grad_eps, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -183,7 +214,8 @@ def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: b
     by the backend that runs the call."""
     if scaling != "paper":
         return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
-    impl = backends.select(x, method, backend, sorted)
+    # Under torch.compile the PyTorch version, which dynamo traces (the fused kernels are opaque calls).
+    impl = backends.TORCH if torch.compiler.is_compiling() else backends.select(x, method, backend, sorted)
     return _PaperTemperature.apply(x, valid, float(k if sorted else 1), float(epsilon), impl)
 
 
@@ -254,7 +286,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    out, info = _soft_topk_op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backend)
+    op = _soft_topk_op if torch.compiler.is_compiling() else _SoftTopKEager.apply
+    out, info = op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backend)
     if not torch.compiler.is_compiling():
         # Rows may also stop early at their rounding floor (float32 scores far from 0 relative to epsilon
         # carry only ~1e-7 * |x| / epsilon of information); that is reported in the info, not warned about.

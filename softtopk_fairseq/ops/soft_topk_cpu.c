@@ -19,11 +19,13 @@
 
 #define BLOCK 256
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
-/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, SATURATION) are
+/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, SATURATION,
+ * LOG_STEP_FRACTION) are
  * defined once, in solvers.py, and handed to this file as -D flags by cpu_kernels.py, with the status bits of
  * soft_topk_unsorted_forward (BAD_NAN, BAD_INF). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
-    || !defined(RIDGE_ULPS) || !defined(SATURATION) || !defined(BAD_NAN) || !defined(BAD_INF)
+    || !defined(RIDGE_ULPS) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) || !defined(BAD_NAN) \
+    || !defined(BAD_INF)
 #error "compile with the -D flags of cpu_kernels.py (solvers.KERNEL_CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
@@ -496,6 +498,9 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64
     }
     double scale = (double)(k < n_valid - k ? k : n_valid - k);
     scale = scale > 1.0 ? scale : 1.0;
+    /* Newton in log space from the tail (solvers.newton_sigmoid_root, LOG_STEP_FRACTION) */
+    int log_step = (double)k <= LOG_STEP_FRACTION * (double)n_valid;
+    double log_k = log((double)k);
     float lo = u_min + shift, hi = u_max + shift;
     double mass, slope, mass2, slope2;
     float tau = tau0;
@@ -510,7 +515,9 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64
     while (!done && it < max_iter) {
         if (f > 0) lo = tau > lo ? tau : lo;   /* f decreases in tau: the root is above */
         if (f < 0) hi = tau < hi ? tau : hi;
-        float step = (float)(tau + f / (slope > 1.1754943508222875e-38 ? slope : 1.1754943508222875e-38));
+        double d = slope > 1.1754943508222875e-38 ? slope : 1.1754943508222875e-38;
+        double mass_now = f + k;
+        float step = (float)(log_step ? tau + (log(mass_now) - log_k) * mass_now / d : tau + f / d);
         float next = (step > lo && step < hi && isfinite(step)) ? step : 0.5f * (lo + hi);
         sigmoid_sums(u, wv, np, next, &mass, &slope);
         int stuck = next == tau;  /* the step no longer moves tau: the row's rounding floor */

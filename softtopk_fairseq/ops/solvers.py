@@ -30,6 +30,7 @@ reference. Both return the plan ``P`` and per-row ``(iterations, marginal error)
 Plans are stored anchors-first, ``P[r, l, i]`` of shape (rows, m, n): the softmax over the few anchors then
 runs across contiguous slices (15x faster on CPU than over a last dimension of size k+1).
 """
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -53,10 +54,19 @@ SECOND_START_ERROR = 0.05
 # Ridge added to the Newton system, in units of the dtype's machine epsilon times the largest anchor mass.
 RIDGE_ULPS = 16.0
 
+# The unsorted root steps in log space -- Newton on log(sum_i A_i) - log k -- when k is at most this fraction
+# of the row's valid elements: there tau sits in the sigmoids' upper tail, where the sum is nearly exponential
+# in tau and plain Newton creeps (5.7 steps on average at 64x1000, k 5, paper scaling, against 2.3); nearer the
+# middle the sum is nearly linear and plain Newton is better. (Not mirrored for k near n: there the complement
+# n - sum_i A_i would be needed to full precision, which the float32 kernels do not form.)
+LOG_STEP_FRACTION = 0.25
+
 # The solver constants the fused kernels share with this file: handed to the Triton kernels as constexpr
 # arguments and to the C kernels as -D flags (cpu_kernels.py), so that each is written once, here.
 KERNEL_CONSTANTS = {"LOGIT_CLAMP": LOGIT_CLAMP, "MAX_STEP": MAX_STEP, "NEAR_FLOOR": NEAR_FLOOR,
                     "SECOND_START_ERROR": SECOND_START_ERROR, "RIDGE_ULPS": RIDGE_ULPS}
+# ... and those of the unsorted root's kernels.
+UNSORTED_KERNEL_CONSTANTS = {"LOG_STEP_FRACTION": LOG_STEP_FRACTION}
 
 
 def normalise_scores(x: Tensor, centre: Tensor, eps: Tensor, bound: float) -> Tensor:
@@ -315,6 +325,9 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
     :math:`f' = -\sum_i a_i` with :math:`a = A(1 - A)`, inside the bracket
     :math:`[u_{\min} - L, u_{\max} - L]`, :math:`L = \log(k / (n - k))` (where :math:`f \ge 0` and
     :math:`\le 0`), bisecting whenever a step leaves it. Rows with ``n_valid <= k`` are all ones.
+    Where :math:`k \le` ``LOG_STEP_FRACTION`` :math:`n` the step is Newton's on :math:`\log S - \log k`,
+    :math:`S = \sum_i A_i`, i.e. :math:`(\log S - \log k)\,S / \sum_i a_i`: the same root, reached in fewer
+    steps from the tail.
     Returns ``(A, info)`` with info = (iterations, relative mass error) per row, as the other solvers.
     """
     rows, n = u.shape
@@ -331,6 +344,7 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
     # Start: the hard-assignment threshold, or the same shifted by log((n-k)/k).
     tau = torch.where(solve, initial_thresholds(u, valid, c, top)[:, 0], torch.zeros_like(shift))
     scale = torch.minimum(torch.full_like(nv, float(k)), nv - k).clamp_min(1)
+    log_step = k <= LOG_STEP_FRACTION * nv
 
     def evaluate(tau):
         a = torch.where(valid, torch.sigmoid(u - tau.unsqueeze(-1)), torch.zeros_like(u))
@@ -350,8 +364,9 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
             break
         lo = torch.where(f > 0, torch.maximum(lo, tau), lo)   # f decreases in tau: the root is above
         hi = torch.where(f < 0, torch.minimum(hi, tau), hi)
-        slope = (a * (1 - a)).sum(-1)
-        step = tau + f / slope.clamp_min(torch.finfo(u.dtype).tiny)
+        slope = (a * (1 - a)).sum(-1).clamp_min(torch.finfo(u.dtype).tiny)
+        mass = f + k
+        step = torch.where(log_step, tau + (torch.log(mass) - math.log(k)) * mass / slope, tau + f / slope)
         inside = (step > lo) & (step < hi) & torch.isfinite(step)
         new_tau = torch.where(inside, step, 0.5 * (lo + hi))
         new_tau = torch.where(todo, new_tau, tau)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from softtopk_fairseq.ops.launch import ensure_contiguous
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, UNSORTED_KERNEL_CONSTANTS
 
 @triton.jit
 def _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK: tl.constexpr,
@@ -237,9 +237,11 @@ def _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK: t
 
 @triton.jit
 def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bound, tau0_ptr, shift_ptr, out_ptr,
-                                      info_ptr, n, k, tol, max_iter, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+                                      info_ptr, n, k, tol, max_iter, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      LOG_STEP_FRACTION: tl.constexpr):
     """The unsorted operator as one monotone root per row (solvers.newton_sigmoid_root, soft_topk_cpu.c):
-    safeguarded Newton on f(tau) = sum_i sigmoid(u_i - tau) - k inside [u_min + shift, u_max + shift]."""
+    safeguarded Newton on f(tau) = sum_i sigmoid(u_i - tau) - k inside [u_min + shift, u_max + shift], in log
+    space from the tail."""
     row = tl.program_id(0)
     centre = tl.load(centre_ptr + row)
     eps = tl.load(eps_ptr + row)
@@ -254,6 +256,8 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bou
     solve = n_valid > k
     shift = tl.load(shift_ptr + row)
     scale = tl.maximum(tl.minimum(k, n_valid - k), 1).to(tl.float32)
+    log_step = k * 1.0 <= LOG_STEP_FRACTION * n_valid.to(tl.float32)  # Newton in log space from the tail
+    log_k = tl.log(k * 1.0)
     lo = u_min + shift
     hi = u_max + shift
     tau = tl.load(tau0_ptr + row)
@@ -271,7 +275,9 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bou
     while going & (it < max_iter):
         lo = tl.where(f > 0, tl.maximum(lo, tau), lo)  # f decreases in tau: the root is above
         hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
-        step = tau + f / tl.maximum(slope, 1.1754943508222875e-38)
+        d = tl.maximum(slope, 1.1754943508222875e-38)
+        mass_now = f + k
+        step = tl.where(log_step, tau + (tl.log(mass_now) - log_k) * mass_now / d, tau + f / d)
         inside = (step > lo) & (step < hi) & (step == step) & (tl.abs(step) < float("inf"))
         nxt = tl.where(inside, step, 0.5 * (lo + hi))
         mass, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, nxt, HAS_MASK, BLOCK_N)
@@ -384,7 +390,7 @@ def unsorted_forward(x, valid, centre, eps, bound, tau0, shift, k, tol, max_iter
     has_mask = valid is not None
     soft_topk_unsorted_forward_kernel[(rows,)](
         x, valid if has_mask else x, centre, eps, float(bound), tau0, shift, out, info, n, k, float(tol),
-        int(max_iter), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
+        int(max_iter), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n), **UNSORTED_KERNEL_CONSTANTS)
     return out, info
 
 
