@@ -129,7 +129,9 @@ class Backend:
 
 class FusedBackend(Backend):
     """Newton forward and closed-form backward in one kernel launch each. Subclasses set ``kernels`` (a
-    module with ``padded_anchors``, ``forward`` and ``backward`` of one signature) and say where they run."""
+    module with ``padded_anchors``, ``forward`` and ``backward`` of one signature, and ``unsorted_forward`` /
+    ``unsorted_backward`` unless the subclass overrides ``solve`` / ``gradients`` for the unsorted operator, as
+    the C backend does) and say where they run."""
 
     kernels = None
 
