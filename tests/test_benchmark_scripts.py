@@ -221,3 +221,14 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     assert "Pruning on pruning.rnnsearch.seed1" in table and "| paper | exact |" in table
     assert re.search(r"\| finetune.soft_beam_paper - finetune.tf \| valid \| [-+]\d+\.\d\d \| [-+]?\d+\.\d\d \| "
                      r"\d\.\d{3} \|", table), table  # a difference and a paired-bootstrap p-value
+
+
+def test_count_host_ops_prints_its_table():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "count_host_ops.py"), "--rows", "3", "--n", "12"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) >= 8
+    counts = {(r[1].strip(), r[2].strip(), r[3].strip()): int(r[4]) for r in rows}
+    # the C backend's unsorted call is a handful of host operations, the PyTorch path's hundreds
+    assert counts[("cpu", "paper", "unsorted")] < counts[("torch", "paper", "unsorted")] / 5

@@ -47,6 +47,28 @@ def test_forward_matches_torch_path(backend, sorted, epsilon, scaling):
     assert ia.iterations.max() <= 20
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paper_temperature_matches_the_torch_path(backend):
+    """The fused backends' paper-scaling temperature (one kernel pass): the same (eps, at, slope) per row as the
+    PyTorch path's, with masks, a row of one valid entry and an all-masked row, over several tiles."""
+    from softtopk_fairseq.ops import backends
+
+    torch.manual_seed(5)
+    device = _device(backend)
+    x = (torch.randn(6, 300) * 3 + torch.linspace(-4, 4, 6)[:, None]).to(device)
+    valid = torch.rand(6, 300, device=device) > 0.3
+    valid[4] = False
+    valid[4, 250] = True  # one valid entry, in the second tile
+    valid[5] = False      # all masked
+    for anchor_top in (1.0, 3.0):
+        got = backends.FUSED[backend].paper_temperature(x, valid, anchor_top, 0.1)
+        want = backends.TORCH.paper_temperature(x, valid, anchor_top, 0.1)
+        torch.testing.assert_close(got[0], want[0])
+        assert torch.equal(got[1].cpu()[:5], want[1].cpu()[:5])  # the all-masked row's index is arbitrary
+        torch.testing.assert_close(got[2], want[2])
+        assert float(got[2][5]) == 0.0 and float(got[0][5]) == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize("backend", [*BACKENDS, "torch"])
 @pytest.mark.parametrize("sorted", [False, True])
 def test_bad_scores_raise_the_same_error_on_every_backend(backend, sorted):

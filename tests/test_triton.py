@@ -37,8 +37,10 @@ for arch in map(int, sys.argv[1:]):
             "k": "i32", "tol": "fp32", "max_iter": "i32"}
     UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "grad_ptr": "*fp32",
             "n": "i32"}
+    TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
+            "n": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
     for fn, sig, extra in ((tk.soft_topk_unsorted_forward_kernel, UFWD, UNSORTED_KERNEL_CONSTANTS),
-                           (tk.soft_topk_unsorted_backward_kernel, UBWD, {})):
+                           (tk.soft_topk_unsorted_backward_kernel, UBWD, {}), (tk.paper_temperature_kernel, TEMP, {})):
         for has_mask in (True, False):
             consts = {"HAS_MASK": has_mask, "BLOCK_N": 256, **extra}
             signature = dict(sig, **{name: "constexpr" for name in consts})
@@ -52,7 +54,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", COMPILE, "80", "90"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count("compiled") == 16
+    assert out.stdout.count("compiled") == 20
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error():

@@ -151,16 +151,17 @@ class FusedBackend(Backend):
         """Sorted: the damped Newton solve of ``solvers.newton_semi_dual``; unsorted: the scalar root per row
         of ``solvers.newton_sigmoid_root``; each in one kernel launch, from the same starting thresholds."""
         n_valid = valid.sum(-1)
+        mask = None if all_valid else valid
+        if not sorted:  # two anchors: the scalar root per row, as the PyTorch path solves it
+            tau0, shift = solvers.unsorted_start(u_top, n_valid, k)
+            return self._launch(self.kernels.unsorted_forward, x, mask, centre, eps, bound, tau0, shift, k, tol,
+                                max_iter)
         _, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
         rows, m = c.shape
         # Starting thresholds from the normalised top scores (x is read only for its shape and dtype).
         t = solvers.initial_thresholds(x, valid, c, u_top)
         t = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
         shift = solvers.log_mass_shift(c)
-        mask = None if all_valid else valid
-        if not sorted:  # two anchors: the scalar root per row, as the PyTorch path solves it
-            return self._launch(self.kernels.unsorted_forward, x, mask, centre, eps, bound, t[:, 0], shift[:, 0],
-                                k, tol, max_iter)
         mp = self.kernels.padded_anchors(m)
         tz = x.new_zeros(rows, mp)  # shifted: tz[l] = t_{l-1}
         tz[:, 1:m] = t
@@ -255,6 +256,9 @@ class TritonBackend(FusedBackend):
 
     def auto_device(self, x):
         return x.is_cuda
+
+    def paper_temperature(self, x, valid, anchor_top, epsilon):
+        return self._launch(self.kernels.paper_temperature, x, valid, anchor_top, epsilon)
 
     def _launch(self, fn, *args):
         try:

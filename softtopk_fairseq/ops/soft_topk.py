@@ -216,7 +216,8 @@ def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: b
         return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
     # Under torch.compile the PyTorch version, which dynamo traces (the fused kernels are opaque calls).
     impl = backends.TORCH if torch.compiler.is_compiling() else backends.select(x, method, backend, sorted)
-    return _PaperTemperature.apply(x, valid, float(k if sorted else 1), float(epsilon), impl)
+    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, valid, float(k if sorted else 1),
+                                                                           float(epsilon), b))
 
 
 def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,

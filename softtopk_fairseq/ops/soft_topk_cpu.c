@@ -532,9 +532,9 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64
     for (int64_t j = 0; j < n; j++) out[j] = sigmoid_f(u[j] - tau) * wv[j];
 }
 
-/* The hard-assignment start between the k-th and (k+1)-th largest normalised scores (solvers.initial_thresholds
- * with two anchors): their midpoint, or across a gap wider than 2 * SATURATION the boundary nearest 0 at least
- * SATURATION from both. */
+/* The hard-assignment start between the k-th and (k+1)-th largest normalised scores (solvers.unsorted_start,
+ * solvers.hard_boundary): their midpoint, or across a gap wider than 2 * SATURATION the boundary nearest 0 at
+ * least SATURATION from both. */
 static float hard_threshold(float above, float below) {
     float margin = (float)SATURATION + 8.0f * (float)FLT_EPS * (fabsf(above) + fabsf(below));
     float t = 0.5f * (above + below);
@@ -636,7 +636,7 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
         float above = (top[k - 1] - centre) / eps, below = (top[k] - centre) / eps;
         above = above < -bound ? -bound : (above > bound ? bound : above);
         below = below < -bound ? -bound : (below > bound ? bound : below);
-        float shift = logf((float)(n_valid - k)) - logf((float)k);  /* log((n - k) / k): solvers.log_mass_shift */
+        float shift = logf((float)(n_valid - k)) - logf((float)k);  /* log((n - k) / k): solvers.unsorted_start */
         unsorted_solve_row(w->u, w->wv, n, n_valid, k, shift, hard_threshold(above, below), a->tol, a->max_iter,
                            out, info);
     }

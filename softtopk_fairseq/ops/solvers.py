@@ -217,15 +217,35 @@ def initial_thresholds(u: Tensor, valid: Tensor, c: Tensor, top: Optional[Tensor
     top = top[:, :kk]
     above = top.gather(-1, (cum[:, :-1] - 1).clamp(0, kk - 1))
     below = top.gather(-1, cum[:, :-1].clamp(0, kk - 1))
+    boundary = hard_boundary(above, below)
+    return torch.where(c[:, 1:] > 0, boundary, torch.full_like(boundary, -torch.inf))
+
+
+def hard_boundary(above: Tensor, below: Tensor) -> Tensor:
+    """The threshold between the last normalised score an anchor should hold (``above``) and the next one
+    (``below``): their midpoint -- except across a gap wider than 2 * SATURATION, where any boundary at least
+    SATURATION from both sides separates the groups completely, and the one nearest 0 keeps Newton's steps
+    well resolved. 0 where that is not finite."""
     boundary = 0.5 * (above + below)
-    # Across a gap wider than 2 * SATURATION any boundary at least SATURATION from both sides separates
-    # the groups completely; take the one nearest 0 so that Newton's steps stay well resolved.
-    margin = SATURATION + 8 * torch.finfo(u.dtype).eps * (above.abs() + below.abs())  # survives rounding
+    margin = SATURATION + 8 * torch.finfo(above.dtype).eps * (above.abs() + below.abs())  # survives rounding
     wide = (above - below) > 2 * margin
     boundary = torch.where(wide, torch.minimum(torch.maximum(torch.zeros_like(boundary), below + margin),
                                                above - margin), boundary)
-    boundary = torch.nan_to_num(boundary, nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.where(c[:, 1:] > 0, boundary, torch.full_like(boundary, -torch.inf))
+    return torch.nan_to_num(boundary, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def unsorted_start(top: Tensor, n_valid: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The unsorted root's start and shift per row, from the row's largest normalised valid scores ``top``
+    (rows, >= min(k + 1, n)), decreasing: the hard-assignment threshold between the k-th and (k+1)-th
+    (:func:`initial_thresholds` with anchors (1, 0)) and log((n_valid - k) / k) (:func:`log_mass_shift`);
+    both 0 on rows with ``n_valid <= k``. A few operations, where the general thresholds take dozens."""
+    if top.shape[-1] <= k:  # n == k: no row has anything to select
+        zeros = top.new_zeros(top.shape[:1])
+        return zeros, zeros
+    solve = n_valid > k
+    tau0 = torch.where(solve, hard_boundary(top[:, k - 1], top[:, k]), 0.0)
+    shift = torch.where(solve, torch.log((n_valid - k).clamp_min(1).to(top.dtype)) - math.log(k), 0.0)
+    return tau0, shift
 
 
 def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: int,
@@ -334,15 +354,16 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
     n_valid = valid.sum(-1)
     nv = n_valid.to(u.dtype)
     solve = n_valid > k
-    _, c = anchor_targets(n_valid, k, False, u.dtype)
+    if top is None or top.shape[-1] < min(k + 1, n):
+        top = torch.topk(torch.where(valid, u, torch.full_like(u, -torch.inf)), min(k + 1, n), dim=-1).values
     # With anchors (1, 0), tau is the threshold t_0 and log(c_1 / c_0) = log((n - k) / k) = -L.
-    shift = log_mass_shift(c)[:, 0]
+    tau0, shift = unsorted_start(top, n_valid, k)
     u_max = torch.where(valid, u, torch.full_like(u, -torch.inf)).amax(-1)
     u_min = torch.where(valid, u, torch.full_like(u, torch.inf)).amin(-1)
     lo = torch.where(solve, u_min + shift, torch.zeros_like(shift))
     hi = torch.where(solve, u_max + shift, torch.zeros_like(shift))
     # Start: the hard-assignment threshold, or the same shifted by log((n-k)/k).
-    tau = torch.where(solve, initial_thresholds(u, valid, c, top)[:, 0], torch.zeros_like(shift))
+    tau = tau0
     scale = torch.minimum(torch.full_like(nv, float(k)), nv - k).clamp_min(1)
     log_step = k <= LOG_STEP_FRACTION * nv
 

@@ -297,6 +297,50 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bou
 
 
 @triton.jit
+def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, anchor_top, epsilon,
+                             HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The paper scaling's temperature of one row (backends.Backend.paper_temperature, soft_topk_cpu.c): the
+    row's largest and smallest valid scores (first occurrences), the cost max(v^2, (v - K)^2) at both, eps =
+    epsilon * M / 2 (epsilon when M = 0 or nothing is valid), where M sits and d eps / d x there."""
+    row = tl.program_id(0)
+    hi = tl.full((), float("-inf"), tl.float32)
+    lo = tl.full((), float("inf"), tl.float32)
+    hi_at = tl.zeros((), dtype=tl.int32)
+    lo_at = tl.zeros((), dtype=tl.int32)
+    for start in range(0, n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        keep = offs_n < n
+        if HAS_MASK:
+            keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
+        v = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
+        up = tl.where(keep, v, float("-inf"))
+        down = tl.where(keep, v, float("inf"))
+        tile_hi = tl.max(up, axis=0)
+        tile_lo = tl.min(down, axis=0)
+        hi_at = tl.where(tile_hi > hi, start + tl.argmax(up, axis=0), hi_at)
+        lo_at = tl.where(tile_lo < lo, start + tl.argmin(down, axis=0), lo_at)
+        hi = tl.maximum(hi, tile_hi)
+        lo = tl.minimum(lo, tile_lo)
+    any_valid = hi > float("-inf")
+    hi = tl.where(any_valid, hi, 0.0)
+    lo = tl.where(any_valid, lo, 0.0)
+    hi_up = hi * hi
+    hi_down = (hi - anchor_top) * (hi - anchor_top)
+    lo_up = lo * lo
+    lo_down = (lo - anchor_top) * (lo - anchor_top)
+    cost_hi = tl.maximum(hi_up, hi_down)
+    cost_lo = tl.maximum(lo_up, lo_down)
+    slope_hi = tl.where(hi_up >= hi_down, 2.0 * hi, 2.0 * (hi - anchor_top))
+    slope_lo = tl.where(lo_up >= lo_down, 2.0 * lo, 2.0 * (lo - anchor_top))
+    use_hi = cost_hi >= cost_lo
+    cost = tl.where(use_hi, cost_hi, cost_lo)
+    positive = (cost > 0.0) & any_valid
+    tl.store(at_ptr + row, tl.where(use_hi, hi_at, lo_at).to(tl.int64))
+    tl.store(slope_ptr + row, tl.where(positive, epsilon / 2.0 * tl.where(use_hi, slope_hi, slope_lo), 0.0))
+    tl.store(eps_ptr + row, tl.where(positive, epsilon * cost / 2.0, epsilon))
+
+
+@triton.jit
 def _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     """The unsorted output A and the upstream gradient G at elements start..start+BLOCK_N (0 where invalid)."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -403,3 +447,17 @@ def unsorted_backward(out, grad_out, valid, eps):
     soft_topk_unsorted_backward_kernel[(rows,)](out, grad_out, valid if has_mask else out, eps, grad, n,
                                                 HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
     return grad
+
+
+@ensure_contiguous
+def paper_temperature(x, valid, anchor_top, epsilon):
+    """Launch the paper-scaling temperature (the same arguments and results as ``cpu_kernels.paper_temperature``:
+    ``eps``, ``at`` int64, ``slope``, each (rows,))."""
+    rows, n = x.shape
+    eps = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    slope = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    at = torch.empty((rows,), dtype=torch.int64, device=x.device)
+    has_mask = valid is not None
+    paper_temperature_kernel[(rows,)](x, valid if has_mask else x, eps, at, slope, n, float(anchor_top),
+                                      float(epsilon), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
+    return eps, at, slope
