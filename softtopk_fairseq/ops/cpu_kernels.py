@@ -2,8 +2,11 @@
 
 Eager PyTorch makes ~5 passes over the (rows, k+1, n) plan per Newton evaluation; these kernels make one
 (per row, in blocks that stay in cache) and solve the whole row in one call, rows spread over
-``torch.get_num_threads()`` OpenMP threads. Same inputs as the Triton launchers, prepared by
-``soft_topk.py``; same math as ``solvers.newton_semi_dual`` and ``backward.implicit_grad``.
+``torch.get_num_threads()`` OpenMP threads. The sorted operator's kernels take the same inputs as the Triton
+launchers, prepared by ``backends.Backend.solve``; same math as ``solvers.newton_semi_dual`` and
+``backward.implicit_grad``. The unsorted operator's (:func:`unsorted_solve`, :func:`unsorted_gradients`) take the
+raw scores and do that preparation themselves, and :func:`paper_temperature` computes the paper scaling's
+temperature in one pass.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
 (``-march=native``) and cached under ``$SOFTTOPK_CACHE_DIR`` (default ``~/.cache/softtopk_fairseq``), keyed
