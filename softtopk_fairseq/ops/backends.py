@@ -60,7 +60,8 @@ class Backend:
         centre = torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
         bound = score_bound(x.dtype, k)
         u_top = torch.where(torch.isfinite(top), solvers.normalise_scores(top, centre, eps, bound), top)
-        return self.forward(x, valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method)
+        return self.forward(x, valid, n_valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter,
+                            method)
 
     def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
                   sorted: bool, eps_grad: bool) -> Tuple[Tensor, Tensor]:
@@ -97,16 +98,17 @@ class Backend:
         xv = torch.where(valid, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device))
         return torch.topk(xv, kk, dim=-1).values
 
-    def forward(self, x: Tensor, valid: Tensor, all_valid: bool, centre: Tensor, eps: Tensor, bound: float,
-                u_top: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
+    def forward(self, x: Tensor, valid: Tensor, n_valid: Tensor, all_valid: bool, centre: Tensor, eps: Tensor,
+                bound: float, u_top: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                 method: str) -> Tuple[Tensor, Tensor]:
         """The operator's output ((rows, n, k) sorted, (rows, n) not) and info (rows, 2) = iterations,
         marginal error, for (rows, n) scores ``x`` normalised per row by ``centre`` and ``eps``;
-        ``u_top``: the normalised top-(k+1) valid scores (starting thresholds)."""
+        ``n_valid``: valid entries per row; ``u_top``: the normalised top-(k+1) valid scores (starting
+        thresholds)."""
         u = solvers.normalise_scores(x, centre, eps, bound).masked_fill_(~valid, 0.0)
         if method == "newton" and not sorted:
             return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, u_top)
-        y, c = solvers.anchor_targets(valid.sum(-1), k, sorted, x.dtype)
+        y, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
         if method == "newton":
             p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter, top=u_top)
         else:
@@ -147,10 +149,9 @@ class FusedBackend(Backend):
         """Whether ``backend="auto"`` picks this backend for tensors like ``x`` (float32 ones)."""
         return False
 
-    def forward(self, x, valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method):
+    def forward(self, x, valid, n_valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method):
         """Sorted: the damped Newton solve of ``solvers.newton_semi_dual``; unsorted: the scalar root per row
         of ``solvers.newton_sigmoid_root``; each in one kernel launch, from the same starting thresholds."""
-        n_valid = valid.sum(-1)
         mask = None if all_valid else valid
         if not sorted:  # two anchors: the scalar root per row, as the PyTorch path solves it
             tau0, shift = solvers.unsorted_start(u_top, n_valid, k)

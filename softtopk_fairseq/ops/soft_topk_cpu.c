@@ -168,13 +168,18 @@ static void solve_free(const double *s, const double *ppt, const double *rhs, in
     for (int l = 0; l < f; l++) if (!isfinite(x[l])) { for (int q = 0; q < mp; q++) x[q] = 0.0; return; }
 }
 
-/* The row's normalised scores u = clamp((x - centre) / eps, +-bound) (solvers.normalise_scores) and weights
- * wv = 1 on valid elements; both 0 elsewhere, up to the padded length. */
+/* A normalised score u = clamp((x - centre) / eps, +-bound) (solvers.normalise_scores). */
+static inline float normalised(float x, float centre, float eps, float bound) {
+    float v = (x - centre) / eps;
+    return v < -bound ? -bound : (v > bound ? bound : v);
+}
+
+/* The row's normalised scores u and weights wv = 1 on valid elements; both 0 elsewhere, up to the padded
+ * length. */
 static void normalise_row(const float *x, const uint8_t *valid, int64_t n, float centre, float eps, float bound,
                           float *u, float *wv) {
     for (int64_t j = 0; j < n; j++) {
-        float v = (x[j] - centre) / eps;
-        v = v < -bound ? -bound : (v > bound ? bound : v);
+        float v = normalised(x[j], centre, eps, bound);
         int keep = valid == NULL || valid[j];
         u[j] = keep ? v : 0.0f;
         wv[j] = keep ? 1.0f : 0.0f;
@@ -633,9 +638,7 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
         info[0] = 0.0f;
         info[1] = 0.0f;
     } else {
-        float above = (top[k - 1] - centre) / eps, below = (top[k] - centre) / eps;
-        above = above < -bound ? -bound : (above > bound ? bound : above);
-        below = below < -bound ? -bound : (below > bound ? bound : below);
+        float above = normalised(top[k - 1], centre, eps, bound), below = normalised(top[k], centre, eps, bound);
         float shift = logf((float)(n_valid - k)) - logf((float)k);  /* log((n - k) / k): solvers.unsorted_start */
         unsorted_solve_row(w->u, w->wv, n, n_valid, k, shift, hard_threshold(above, below), a->tol, a->max_iter,
                            out, info);

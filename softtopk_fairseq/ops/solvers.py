@@ -356,14 +356,13 @@ def newton_sigmoid_root(u: Tensor, valid: Tensor, k: int, tol: float, max_iter: 
     solve = n_valid > k
     if top is None or top.shape[-1] < min(k + 1, n):
         top = torch.topk(torch.where(valid, u, torch.full_like(u, -torch.inf)), min(k + 1, n), dim=-1).values
-    # With anchors (1, 0), tau is the threshold t_0 and log(c_1 / c_0) = log((n - k) / k) = -L.
-    tau0, shift = unsorted_start(top, n_valid, k)
+    # Start: the hard-assignment threshold, or the same shifted by log((n-k)/k). With anchors (1, 0), tau is the
+    # threshold t_0 and log(c_1 / c_0) = log((n - k) / k) = -L.
+    tau, shift = unsorted_start(top, n_valid, k)
     u_max = torch.where(valid, u, torch.full_like(u, -torch.inf)).amax(-1)
     u_min = torch.where(valid, u, torch.full_like(u, torch.inf)).amin(-1)
     lo = torch.where(solve, u_min + shift, torch.zeros_like(shift))
     hi = torch.where(solve, u_max + shift, torch.zeros_like(shift))
-    # Start: the hard-assignment threshold, or the same shifted by log((n-k)/k).
-    tau = tau0
     scale = torch.minimum(torch.full_like(nv, float(k)), nv - k).clamp_min(1)
     log_step = k <= LOG_STEP_FRACTION * nv
 

@@ -211,13 +211,19 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, valid_ptr, y_ptr, mact_ptr, restc_
 
 
 @triton.jit
-def _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Normalised scores u (BLOCK_N,) of elements start..start+BLOCK_N of ``row`` and their validity."""
+def _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Raw scores x (BLOCK_N,) of elements start..start+BLOCK_N of ``row`` (0 where invalid) and their validity."""
     offs_n = start + tl.arange(0, BLOCK_N)
     keep = offs_n < n
     if HAS_MASK:
         keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
-    x = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
+    return tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0), keep
+
+
+@triton.jit
+def _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Normalised scores u (BLOCK_N,) of elements start..start+BLOCK_N of ``row`` and their validity."""
+    x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
     u = tl.minimum(tl.maximum(tl.div_rn(x - centre, eps), -bound), bound)
     return tl.where(keep, u, 0.0), keep
 
@@ -308,11 +314,7 @@ def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, an
     hi_at = tl.zeros((), dtype=tl.int32)
     lo_at = tl.zeros((), dtype=tl.int32)
     for start in range(0, n, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        keep = offs_n < n
-        if HAS_MASK:
-            keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
-        v = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
+        v, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
         up = tl.where(keep, v, float("-inf"))
         down = tl.where(keep, v, float("inf"))
         tile_hi = tl.max(up, axis=0)
