@@ -242,6 +242,37 @@ def test_cpu_row_top_matches_torch_topk():
     assert torch.equal(cpu_kernels.row_top(x[3:], None, 3), torch.topk(x[3:], 3).values)
 
 
+@pytest.mark.parametrize("scaling", ["none", "paper"])
+def test_cpu_unsorted_rows_solved_in_groups_match_rows_solved_alone(scaling):
+    """Many short rows (n <= 64, k + 1 <= 8) go through the C kernel 16 at a time, one per SIMD lane; the
+    rows past the last full group, and a row solved alone, go one by one. Same outputs and iteration counts
+    either way, with masks, -inf, short and empty rows, ties and far-apart scores among the lanes; and a
+    row's bad score inside a group raises as it does alone."""
+    torch.manual_seed(11)
+    x = torch.randn(37, 30)  # two groups of 16 and 5 rows alone
+    mask = torch.rand(37, 30) > 0.2
+    mask[2] = False                    # empty
+    mask[5, 3:] = False                # 3 valid <= k: all ones
+    x[7, ::3] = -torch.inf
+    x[9] = torch.randint(0, 3, (30,)).float()  # ties
+    x[12] *= 1e4                       # far apart (rounding floor)
+    x[20, :] = 0.0                     # all equal
+    kw = dict(epsilon=0.3, scaling=scaling, mask=mask, backend="cpu", return_info=True)
+    out, info = soft_topk(x, 4, **kw)
+    for r in range(37):
+        alone, info_r = soft_topk(x[r:r + 1], 4, **{**kw, "mask": mask[r:r + 1]})
+        torch.testing.assert_close(out[r:r + 1], alone, atol=2e-6, rtol=0)
+        assert abs(float(info.iterations[r] - info_r.iterations[0])) <= 1
+    ref = soft_topk(x, 4, **{**kw, "backend": "torch"})[0]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    assert bool((out[~mask] == 0).all()) and bool(info.converged.all())
+    for value, message in ((float("nan"), "scores contain NaN"), (float("inf"), "infinity on the selected side")):
+        bad = x.clone()
+        bad[17, 4] = value
+        with pytest.raises(ValueError, match=message):
+            soft_topk(bad, 4, epsilon=0.3, backend="cpu")
+
+
 # ---- one interface: iteration counts, fallback ---------------------------------------------------------
 
 

@@ -8,7 +8,8 @@
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` for the tests).
 
 Every backend has the same two entry points, ``solve(...) -> (out, info)`` (the op's forward: check the
-scores, find the centre and the starting thresholds, solve) and ``gradients(...) -> (grad_x, grad_eps)``;
+scores, find the centre and the starting thresholds, solve) and ``gradients(...) -> (grad_x, grad_eps)``,
+both on (rows, n) scores with ``-inf`` on excluded entries and the caller's ``mask`` (bool, or None);
 ``soft_topk.py`` keeps the definition, validation and the custom-op registration, and never asks which
 backend it holds. Inside, the shared preparation calls the hooks ``row_top``, ``forward`` and ``backward``,
 which the fused backends override; the C backend also overrides the entry points of the unsorted operator,
@@ -46,11 +47,13 @@ class Backend:
 
     name = "torch"
 
-    def solve(self, x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
-              method: str) -> Tuple[Tensor, Tensor]:
-        """The op's forward on (rows, n) scores ``x`` (valid entries finite), ``valid`` (rows, n) and the
-        per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf), normalises them by the
-        centre x_(k) and ``eps``, and solves from the hard-assignment start (:meth:`forward`)."""
+    def solve(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float,
+              max_iter: int, method: str) -> Tuple[Tensor, Tensor]:
+        """The op's forward on (rows, n) scores ``x`` (``-inf`` where excluded), the caller's ``mask`` (rows, n)
+        (or None) and the per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf),
+        normalises them by the centre x_(k) and ``eps``, and solves from the hard-assignment start
+        (:meth:`forward`)."""
+        valid = valid_entries(x, mask)
         n_valid = valid.sum(-1)
         all_valid = bool((n_valid == x.shape[-1]).all())
         top = self.row_top(x, valid, min(k + 1, x.shape[-1]))
@@ -63,18 +66,20 @@ class Backend:
         return self.forward(x, valid, n_valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter,
                             method)
 
-    def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
+    def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
                   sorted: bool, eps_grad: bool) -> Tuple[Tensor, Tensor]:
         """dL/dx (rows, n) and dL/deps (rows,; zeros unless ``eps_grad``) from the op's output."""
+        valid = valid_entries(x, mask)
         grad_x = self.backward(grad_out, out, valid, eps, k, sorted)
         if not eps_grad:  # a constant temperature (scaling="none"): no dL/deps to form
             return grad_x, torch.zeros_like(eps)
         return grad_x, implicit_backward.temperature_grad(grad_x, x, valid, eps)
 
-    def paper_temperature(self, x: Tensor, valid: Tensor, anchor_top: float,
+    def paper_temperature(self, x: Tensor, mask: Optional[Tensor], anchor_top: float,
                           epsilon: float) -> Tuple[Tensor, Tensor, Tensor]:
         """The paper scaling's temperature per row (``soft_topk._PaperTemperature`` states it), the index of the
         entry where the row's maximal cost sits and d eps / d x there: (eps, at, slope), each (rows,)."""
+        valid = valid_entries(x, mask)
         # (the shortcut reads a tensor's value: not while torch.compile traces)
         all_valid = not torch.compiler.is_compiling() and bool(valid.all())
         hi, hi_at = (x if all_valid else torch.where(valid, x, -torch.inf)).max(-1)
@@ -213,23 +218,23 @@ class CpuBackend(FusedBackend):
     def row_top(self, x, valid, kk):
         return cpu_kernels.row_top(x, valid, kk)
 
-    def paper_temperature(self, x, valid, anchor_top, epsilon):
-        return cpu_kernels.paper_temperature(x, valid, anchor_top, epsilon)
+    def paper_temperature(self, x, mask, anchor_top, epsilon):
+        return cpu_kernels.paper_temperature(x, mask, anchor_top, epsilon)
 
-    def solve(self, x, valid, eps, k, sorted, tol, max_iter, method):
+    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
         if sorted:
-            return super().solve(x, valid, eps, k, sorted, tol, max_iter, method)
-        out, info, status = cpu_kernels.unsorted_solve(x, valid, eps, score_bound(x.dtype, k), k, tol, max_iter)
+            return super().solve(x, mask, eps, k, sorted, tol, max_iter, method)
+        out, info, status = cpu_kernels.unsorted_solve(x, mask, eps, score_bound(x.dtype, k), k, tol, max_iter)
         if status & cpu_kernels.BAD_NAN:
             raise ValueError(NAN_SCORES)
         if status & cpu_kernels.BAD_INF:
             raise ValueError(INF_SCORES)
         return out, info
 
-    def gradients(self, grad_out, out, x, valid, eps, k, sorted, eps_grad):
+    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
         if sorted:
-            return super().gradients(grad_out, out, x, valid, eps, k, sorted, eps_grad)
-        grad_x, grad_eps = cpu_kernels.unsorted_gradients(out, grad_out, valid, eps, x if eps_grad else None)
+            return super().gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad)
+        grad_x, grad_eps = cpu_kernels.unsorted_gradients(out, grad_out, mask, eps, x if eps_grad else None)
         return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
 
 
@@ -258,14 +263,21 @@ class TritonBackend(FusedBackend):
     def auto_device(self, x):
         return x.is_cuda
 
-    def paper_temperature(self, x, valid, anchor_top, epsilon):
-        return self._launch(self.kernels.paper_temperature, x, valid, anchor_top, epsilon)
+    def paper_temperature(self, x, mask, anchor_top, epsilon):
+        return self._launch(self.kernels.paper_temperature, x, valid_entries(x, mask), anchor_top, epsilon)
 
     def _launch(self, fn, *args):
         try:
             return fn(*args)
         except Exception as e:  # compilation (ptxas, out of resources) or driver errors
             raise KernelError(f"the Triton kernel {fn.__name__} failed: {type(e).__name__}: {e}") from e
+
+
+def valid_entries(x: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """Which entries of (rows, n) scores take part: not ``-inf`` (the op's scores are already negated when
+    ``largest=False``) and, given a mask, where it is True."""
+    valid = x != -torch.inf
+    return valid if mask is None else valid & mask
 
 
 def score_bound(dtype: torch.dtype, k: int) -> float:

@@ -138,16 +138,17 @@ def row_top(x, valid, kk):
 
 
 @ensure_contiguous
-def paper_temperature(x, valid, anchor_top, epsilon):
-    """The paper scaling's per-row temperature of ``x`` (rows, n) over its ``valid`` entries (bool or None), in
-    one pass: ``eps`` (rows,), the index ``at`` (rows,) int64 where the row's maximal cost sits and the
-    derivative ``slope`` (rows,) of eps in that entry (``soft_topk._PaperTemperature`` states the math)."""
+def paper_temperature(x, mask, anchor_top, epsilon):
+    """The paper scaling's per-row temperature of ``x`` (rows, n) over its valid entries (not ``-inf``; where
+    ``mask`` (rows, n) bool is True, if given), in one pass: ``eps`` (rows,), the index ``at`` (rows,) int64
+    where the row's maximal cost sits and the derivative ``slope`` (rows,) of eps in that entry
+    (``soft_topk._PaperTemperature`` states the math)."""
     rows, n = x.shape
     eps = torch.empty((rows,), dtype=torch.float32)
     slope = torch.empty((rows,), dtype=torch.float32)
     at = torch.empty((rows,), dtype=torch.int64)
-    _check(x, valid)
-    library().soft_topk_paper_temperature(_ptr(x), _ptr(valid), rows, n, float(anchor_top), float(epsilon), _ptr(eps),
+    _check(x, mask)
+    library().soft_topk_paper_temperature(_ptr(x), _ptr(mask), rows, n, float(anchor_top), float(epsilon), _ptr(eps),
                                           _ptr(at), _ptr(slope), torch.get_num_threads())
     return eps, at, slope
 
@@ -186,17 +187,18 @@ def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
 
 
 @ensure_contiguous
-def unsorted_solve(x, valid, eps, bound, k, tol, max_iter):
-    """The whole unsorted forward in one call, from the raw scores ``x`` (rows, n), ``valid`` (rows, n) bool or
-    None and the per-row temperature ``eps`` (rows,): per row, the top-(k+1) valid scores, the centre x_(k),
+def unsorted_solve(x, mask, eps, bound, k, tol, max_iter):
+    """The whole unsorted forward in one call, from the raw scores ``x`` (rows, n), the caller's ``mask`` (rows,
+    n) bool or None (``-inf`` scores are excluded in any case) and the per-row temperature ``eps`` (rows,): per
+    row, the top-(k+1) valid scores, the centre x_(k),
     the normalisation ``clamp((x - centre) / eps, +-bound)``, the hard-assignment start and the scalar root
     (``solvers.newton_sigmoid_root``). Returns the output (rows, n), info (rows, 2) and a status: 0, or the bits
     ``BAD_NAN`` (a NaN anywhere) / ``BAD_INF`` (+inf on a valid entry), for the caller to raise on."""
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=torch.float32)
     info = torch.empty((rows, 2), dtype=torch.float32)
-    _check(x, valid, eps)
-    status = library().soft_topk_unsorted_forward(_ptr(x), _ptr(valid), _ptr(eps), float(bound), _ptr(out),
+    _check(x, mask, eps)
+    status = library().soft_topk_unsorted_forward(_ptr(x), _ptr(mask), _ptr(eps), float(bound), _ptr(out),
                                                   _ptr(info), rows, n, k, float(tol), int(max_iter),
                                                   torch.get_num_threads())
     if status & 1:
@@ -205,14 +207,15 @@ def unsorted_solve(x, valid, eps, bound, k, tol, max_iter):
 
 
 @ensure_contiguous
-def unsorted_gradients(out, grad_out, valid, eps, x=None):
+def unsorted_gradients(out, grad_out, mask, eps, x=None):
     """dL/dx (rows, n) of the unsorted operator from its output (``backward.sigmoid_grad``, divided by eps);
-    with the scores ``x`` also dL/deps (rows,) (``backward.temperature_grad``), else None."""
+    with the scores ``x`` also dL/deps (rows,) (``backward.temperature_grad``) over the valid entries (not
+    ``-inf``, ``mask`` True if given), else None."""
     rows, n = out.shape
     grad = torch.empty((rows, n), dtype=torch.float32)
     grad_eps = None if x is None else torch.empty((rows,), dtype=torch.float32)
-    _check(out, grad_out, valid, eps, x)
-    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(eps), _ptr(x),
+    _check(out, grad_out, mask, eps, x)
+    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(mask), _ptr(eps), _ptr(x),
                                                    _ptr(grad), _ptr(grad_eps), rows, n, torch.get_num_threads())
     if failed:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")

@@ -57,10 +57,10 @@ class SolverInfo(NamedTuple):
 
 # --------------------------------------------------------------------------------------------------------
 # The op on 2-D (rows, n) tensors. Which backend computes it (backends.py) is chosen once per call; the op itself
-# never asks which one it holds. Two wrappers of the same two functions (_solve, _gradients): a custom op
-# registered with torch.library, so that torch.compile sees one opaque node, and -- in eager mode, where the
-# custom op's dispatch and autograd wrapper cost ~100 us per call, as much as the whole solve of a 64x1000
-# batch -- a plain autograd.Function.
+# never asks which one it holds. Two wrappers of the same backend calls: a custom op registered with
+# torch.library (_solve, _gradients), so that torch.compile sees one opaque node, and -- in eager mode, where
+# the custom op's dispatch and autograd wrapper cost ~100 us per call, as much as the whole solve of a 64x1000
+# batch -- a plain autograd.Function that also computes the temperature (_solve_with_temperature).
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -75,50 +75,50 @@ def _with_fallback(backend: str, impl: backends.Backend, call):
         return call(backends.fall_back(impl, str(e)))
 
 
-def _solve(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int, method: str,
-           backend: str) -> Tuple[Tensor, Tensor]:
+def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
+           method: str, backend: str) -> Tuple[Tensor, Tensor]:
     impl = backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.solve(x, valid, eps, k, sorted, tol, max_iter, method))
+    return _with_fallback(backend, impl, lambda b: b.solve(x, mask, eps, k, sorted, tol, max_iter, method))
 
 
-def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool,
-               backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
+               sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
     impl = backends.select(x, "newton", backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, valid, eps, k, sorted, eps_grad))
+    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad))
 
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
-def _soft_topk_op(x: Tensor, valid: Tensor, eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
+def _soft_topk_op(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                   method: str, backend: str) -> Tuple[Tensor, Tensor]:
-    return _solve(x, valid, eps, k, sorted, tol, max_iter, method, backend)
+    return _solve(x, mask, eps, k, sorted, tol, max_iter, method, backend)
 
 
 @_soft_topk_op.register_fake
-def _(x, valid, eps, k, sorted, tol, max_iter, method, backend):
+def _(x, mask, eps, k, sorted, tol, max_iter, method, backend):
     shape = (*x.shape, k) if sorted else x.shape
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
-def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, valid: Tensor, eps: Tensor, k: int,
+def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
                            sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
-    return _gradients(grad_out, out, x, valid, eps, k, sorted, backend, eps_grad)
+    return _gradients(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad)
 
 
 @_soft_topk_backward_op.register_fake
-def _(grad_out, out, x, valid, eps, k, sorted, backend, eps_grad):
-    return out.new_empty(valid.shape), out.new_empty(valid.shape[:1])
+def _(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:1])
 
 
 def _setup_context(ctx, inputs, output):
-    x, valid, eps, k, sorted, tol, max_iter, method, backend = inputs
-    ctx.save_for_backward(output[0], x, valid, eps)
+    x, mask, eps, k, sorted, tol, max_iter, method, backend = inputs
+    ctx.save_for_backward(output[0], x, mask, eps)
     ctx.k, ctx.sorted, ctx.backend = k, sorted, backend
 
 
 def _backward_fn(ctx, grad_out, grad_info):
-    out, x, valid, eps = ctx.saved_tensors
-    grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted,
+    out, x, mask, eps = ctx.saved_tensors
+    grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted,
                                               ctx.backend, ctx.needs_input_grad[2])
     return grad_x, None, grad_eps, None, None, None, None, None, None
 
@@ -127,21 +127,45 @@ _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
 
 
 class _SoftTopKEager(torch.autograd.Function):
-    """The same op in eager mode (see above): ``_solve`` forward, ``_gradients`` backward."""
+    """The same op in eager mode (see above): ``_solve`` forward, ``_gradients`` backward, with the per-row
+    temperature computed in the same node by the same backend (:func:`_solve_with_temperature`). Under the
+    paper scaling, d eps / d x has one nonzero entry per row: the backward adds dL/deps * d eps / d x there,
+    in place, instead of a separate autograd node whose backward builds a dense (rows, n) gradient to add."""
 
     @staticmethod
-    def forward(ctx, x, valid, eps, k, sorted, tol, max_iter, method, backend):
-        out, info = _solve(x, valid, eps, k, sorted, tol, max_iter, method, backend)
+    def forward(ctx, x, mask, epsilon, scaling, k, sorted, tol, max_iter, method, backend):
+        out, info, eps, at, slope = _solve_with_temperature(x, mask, epsilon, scaling, k, sorted, tol, max_iter,
+                                                            method, backend)
         ctx.mark_non_differentiable(info)
-        _setup_context(ctx, (x, valid, eps, k, sorted, tol, max_iter, method, backend), (out, info))
+        ctx.save_for_backward(out, x, mask, eps, at, slope)
+        ctx.k, ctx.sorted, ctx.backend = k, sorted, backend
         return out, info
 
     @staticmethod
     def backward(ctx, grad_out, grad_info):
-        out, x, valid, eps = ctx.saved_tensors
-        grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, valid, eps, ctx.k, ctx.sorted, ctx.backend,
-                                      ctx.needs_input_grad[2])
-        return grad_x, None, grad_eps, None, None, None, None, None, None
+        out, x, mask, eps, at, slope = ctx.saved_tensors
+        paper = at is not None
+        grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted, ctx.backend,
+                                      paper)
+        if paper:
+            grad_x.scatter_add_(-1, at.unsqueeze(-1), (grad_eps * slope).unsqueeze(-1))
+        return grad_x, None, None, None, None, None, None, None, None, None
+
+
+def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, k: int, sorted: bool,
+                            tol: float, max_iter: int, method: str, backend: str):
+    """The per-row temperature and the op's forward, by one backend: (out, info, eps, at, slope); ``at`` and
+    ``slope`` (where the paper scaling's maximal cost sits, d eps / d x there) are None for a constant
+    temperature."""
+
+    def call(impl: backends.Backend):
+        if scaling == "paper":
+            eps, at, slope = impl.paper_temperature(x, mask, float(k if sorted else 1), epsilon)
+        else:
+            eps, at, slope = torch.full(x.shape[:1], epsilon, dtype=x.dtype, device=x.device), None, None
+        return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, at, slope)
+
+    return _with_fallback(backend, backends.select(x, method, backend, sorted), call)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -195,8 +219,9 @@ class _PaperTemperature(torch.autograd.Function):
     the entry where ``M`` sits and d eps / d x there (``Backend.paper_temperature``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, valid: Tensor, anchor_top: float, epsilon: float, impl: backends.Backend) -> Tensor:
-        eps, at, slope = impl.paper_temperature(x, valid, anchor_top, epsilon)
+    def forward(ctx, x: Tensor, mask: Optional[Tensor], anchor_top: float, epsilon: float,
+                impl: backends.Backend) -> Tensor:
+        eps, at, slope = impl.paper_temperature(x, mask, anchor_top, epsilon)
         ctx.save_for_backward(at, slope)
         ctx.shape = x.shape
         return eps
@@ -208,15 +233,15 @@ class _PaperTemperature(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
-def _row_temperature(x: Tensor, valid: Tensor, k: int, epsilon: float, sorted: bool, scaling: str,
+def _row_temperature(x: Tensor, mask: Optional[Tensor], k: int, epsilon: float, sorted: bool, scaling: str,
                      backend: str, method: str = "newton") -> Tensor:
-    """Per-row temperature in score units of (rows, n) scores (already negated when largest=False), computed
-    by the backend that runs the call."""
+    """Per-row temperature in score units of (rows, n) scores (already negated when largest=False; ``-inf`` and
+    ``mask == False`` entries excluded), computed by the backend that runs the call."""
     if scaling != "paper":
         return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
     # Under torch.compile the PyTorch version, which dynamo traces (the fused kernels are opaque calls).
     impl = backends.TORCH if torch.compiler.is_compiling() else backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, valid, float(k if sorted else 1),
+    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, mask, float(k if sorted else 1),
                                                                            float(epsilon), b))
 
 
@@ -228,14 +253,19 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
     Differentiable in ``scores`` (``detach`` it for bounds); ``softmax_k_times`` uses it for its temperature
     and callers that reason about the solution (e.g. bounds on pruned candidates) need it."""
     x = scores.movedim(dim, -1)
-    valid = x != (-torch.inf if largest else torch.inf)
-    if mask is not None:
-        valid = valid & mask.expand(scores.shape).movedim(dim, -1)
     if not largest:
         x = -x
     rows = x.reshape(-1, x.shape[-1])
-    return _row_temperature(rows, valid.reshape(rows.shape), k, epsilon, sorted, scaling,
+    return _row_temperature(rows, _row_mask(mask, scores.shape, dim), k, epsilon, sorted, scaling,
                             backends.resolve("auto")).reshape(x.shape[:-1])
+
+
+def _row_mask(mask: Optional[Tensor], shape: torch.Size, dim: int) -> Optional[Tensor]:
+    """The caller's mask, broadcast to the scores' ``shape`` and laid out as their (rows, n) view: a copy, which
+    the op may keep for its backward while the caller reuses (or edits) its own."""
+    if mask is None:
+        return None
+    return mask.expand(shape).movedim(dim, -1).reshape(-1, shape[dim]).clone(memory_format=torch.contiguous_format)
 
 
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
@@ -276,19 +306,20 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     x = scores.to(compute_dtype).movedim(dim, -1)
     batch_shape, n = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, n)
-    valid = x != (-torch.inf if largest else torch.inf)
-    if mask is not None:
-        valid = valid & mask.expand(scores.shape).movedim(dim, -1).reshape(-1, n)
-    if not largest:
+    if not largest:  # excluded entries are -inf from here on
         x = -x
+    row_mask = _row_mask(mask, scores.shape, dim)
     backend = backends.resolve(backend)
-    eps = _row_temperature(x, valid, k, epsilon, sorted, scaling, backend, method)
     if tol is None:
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    op = _soft_topk_op if torch.compiler.is_compiling() else _SoftTopKEager.apply
-    out, info = op(x, valid, eps, k, sorted, float(tol), int(max_iter), method, backend)
+    if torch.compiler.is_compiling():
+        eps = _row_temperature(x, row_mask, k, epsilon, sorted, scaling, backend, method)
+        out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend)
+    else:
+        out, info = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol), int(max_iter),
+                                         method, backend)
     if not torch.compiler.is_compiling():
         # Rows may also stop early at their rounding floor (float32 scores far from 0 relative to epsilon
         # carry only ~1e-7 * |x| / epsilon of information); that is reported in the info, not warned about.
