@@ -31,6 +31,7 @@
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
 #define FLT_EPS 1.1920928955078125e-07
+#define FLT_MAX_F 3.4028234663852886e+38f
 
 /* e^x for x <= 0: Cephes' expf polynomial (about 1 ulp), written so that gcc vectorises the loops that
  * call it; 0 below -87, where float32 underflows anyway. */
@@ -513,12 +514,13 @@ typedef struct {
 
 /* Starts the search of a row with n_valid > k valid elements, all in [u_min, u_max]: the bracket is
  * [u_min + shift, u_max + shift] (shift = log((n-k)/k)), steps are taken in log space from the tail when
- * k <= LOG_STEP_FRACTION * n_valid; f and slope are set by root_evaluated. */
-static void root_init(root_state *st, int k, int64_t n_valid, float u_min, float u_max, float shift) {
+ * k <= LOG_STEP_FRACTION * n_valid; log_k = log(k) (the same for every row: computed once by the caller);
+ * f and slope are set by root_evaluated. */
+static void root_init(root_state *st, int k, double log_k, int64_t n_valid, float u_min, float u_max, float shift) {
     double scale = (double)(k < n_valid - k ? k : n_valid - k);
     st->scale = scale > 1.0 ? scale : 1.0;
     st->log_step = (double)k <= LOG_STEP_FRACTION * (double)n_valid;
-    st->log_k = log((double)k);
+    st->log_k = log_k;
     st->k = k;
     st->lo = u_min + shift;
     st->hi = u_max + shift;
@@ -552,7 +554,7 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64
                                float *trial, float *out, float *info) {
     int64_t np = padded(n);
     root_state st;
-    root_init(&st, k, n_valid, u_min, u_max, shift);
+    root_init(&st, k, log((double)k), n_valid, u_min, u_max, shift);
     double mass, slope, mass2, slope2;
     sigmoid_sums(u, wv, np, tau0, a, &mass, &slope);
     sigmoid_sums(u, wv, np, tau0 + shift, trial, &mass2, &slope2);
@@ -781,7 +783,8 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         eps[l] = a->eps[r0 + l];
         active[l] = nv > k;
     }
-    float bound = a->bound;
+    float bound = a->bound, log_k = logf((float)k);
+    double log_k_double = log((double)k);
     for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
         for (int l = 0; l < GROUP; l++) {
@@ -794,8 +797,8 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         if (!active[l]) { tau[l] = 0.0f; shift[l] = 0.0f; continue; }
         float above = normalised(tw[k - 1][l], centre[l], eps[l], bound);
         float below = normalised(tw[k][l], centre[l], eps[l], bound);
-        shift[l] = logf((float)(nv - k)) - logf((float)k);
-        root_init(&st[l], k, nv, normalised(lowest[l], centre[l], eps[l], bound),
+        shift[l] = logf((float)(nv - k)) - log_k;
+        root_init(&st[l], k, log_k_double, nv, normalised(lowest[l], centre[l], eps[l], bound),
                   normalised(tw[0][l], centre[l], eps[l], bound), shift[l]);
         tau[l] = hard_threshold(above, below);
     }
@@ -913,42 +916,46 @@ static void sigmoid_grad_sums(const float *restrict out, const float *restrict g
 static inline __attribute__((always_inline)) void centred_grad_sums(
         float *restrict grad, const float *restrict g, const float *restrict x, const uint8_t *restrict mask,
         int64_t n, float mean_g, float inv_eps, float x_ref, double *gx, double *gs, double *xs, int64_t *count) {
-    *gx = 0.0;
-    *gs = 0.0;
-    *xs = 0.0;
-    *count = 0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t end = n - start < BLOCK ? n : start + BLOCK, j = start;
+    double sums[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t full = n / PAD * PAD;
+    for (int64_t start = 0; start < full; start += BLOCK) {
+        int64_t end = full - start < BLOCK ? full : start + BLOCK;
         float gxb[PAD], gsb[PAD], xsb[PAD], nvb[PAD];
         for (int q = 0; q < PAD; q++) { gxb[q] = 0.0f; gsb[q] = 0.0f; xsb[q] = 0.0f; nvb[q] = 0.0f; }
-        for (; j + PAD <= end; j += PAD) {
+        for (int64_t j = start; j < end; j += PAD) {
 #pragma omp simd
             for (int q = 0; q < PAD; q++) {
                 float gq = grad[j + q] * (g[j + q] - mean_g) * inv_eps;
                 grad[j + q] = gq;
-                int keep = (mask == NULL || mask[j + q]) && x[j + q] > -INFINITY;
-                float dq = keep ? x[j + q] - x_ref : 0.0f;
+                /* Arithmetic instead of selects, which gcc does not if-convert here: kw = 1 on the entries that
+                 * count, else 0, and d = kw * (x - x_ref) with -inf clamped first (-inf * 0 would be NaN). */
+                float kw = (float)(x[j + q] > -INFINITY), shifted = x[j + q] - x_ref;
+                if (mask != NULL) kw *= (float)mask[j + q];
+                float dq = kw * (shifted > -FLT_MAX_F ? shifted : -FLT_MAX_F);
                 gxb[q] += gq * dq;
-                gsb[q] += keep ? gq : 0.0f;
+                gsb[q] += gq * kw;
                 xsb[q] += dq;
-                nvb[q] += keep ? 1.0f : 0.0f;
+                nvb[q] += kw;
             }
         }
-        for (; j < end; j++) {
-            float gq = grad[j] * (g[j] - mean_g) * inv_eps;
-            grad[j] = gq;
-            int keep = (mask == NULL || mask[j]) && x[j] > -INFINITY;
-            float dq = keep ? x[j] - x_ref : 0.0f;
-            gxb[0] += gq * dq;
-            gsb[0] += keep ? gq : 0.0f;
-            xsb[0] += dq;
-            nvb[0] += keep ? 1.0f : 0.0f;
-        }
-        *gx += lane_total(gxb);
-        *gs += lane_total(gsb);
-        *xs += lane_total(xsb);
-        *count += (int64_t)lane_total(nvb);
+        sums[0] += lane_total(gxb);
+        sums[1] += lane_total(gsb);
+        sums[2] += lane_total(xsb);
+        sums[3] += lane_total(nvb);
     }
+    for (int64_t j = full; j < n; j++) {  /* the row's tail */
+        float gq = grad[j] * (g[j] - mean_g) * inv_eps;
+        grad[j] = gq;
+        if (!(x[j] > -INFINITY) || (mask != NULL && !mask[j])) continue;
+        sums[0] += (double)gq * (x[j] - x_ref);
+        sums[1] += gq;
+        sums[2] += x[j] - x_ref;
+        sums[3] += 1.0;
+    }
+    *gx = sums[0];
+    *gs = sums[1];
+    *xs = sums[2];
+    *count = (int64_t)sums[3];
 }
 
 static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
