@@ -53,6 +53,17 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+/* The sum of PAD lanes, by a tree of halves in separate arrays: gcc's own reduction epilogue adds the lanes
+ * one by one, which costs more than the work itself for short rows, and an in-place tree is versioned for
+ * aliasing. */
+_Static_assert(PAD == 16, "lane_total is written for 16 lanes");
+static inline float lane_total(const float *lanes) {
+    float h8[8], h4[4];
+    for (int q = 0; q < 8; q++) h8[q] = lanes[q] + lanes[q + 8];
+    for (int q = 0; q < 4; q++) h4[q] = h8[q] + h8[q + 4];
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
 /* Plan block: pl[l * BLOCK + j] = P_{start+j, l} for the ma active anchors; zero for masked elements
  * (weight wv = 0; also the padding up to a multiple of PAD, so that the loops have no scalar remainder).
  * Logits are running sums of the clamped differences tz[l] - u (solvers._logits). */
@@ -83,28 +94,41 @@ static void plan_block(const float *restrict u, const float *restrict wv, int nb
     }
 }
 
-/* Accumulate s_l += sum_j P_jl and ppt_ab += sum_j P_ja P_jb (a <= b) of one block, in double. */
+/* sum_j p_j q_j over nb (a multiple of PAD) entries, in PAD lanes (lane_total). */
+static inline float dot_lanes(const float *restrict p, const float *restrict q, int nb) {
+    float lanes[PAD];
+    for (int t = 0; t < PAD; t++) lanes[t] = 0.0f;
+    for (int j = 0; j < nb; j += PAD) {
+#pragma omp simd
+        for (int t = 0; t < PAD; t++) lanes[t] += p[j + t] * q[j + t];
+    }
+    return lane_total(lanes);
+}
+
+/* sum_j p_j over nb (a multiple of PAD) entries, in PAD lanes. */
+static inline float sum_lanes(const float *restrict p, int nb) {
+    float lanes[PAD];
+    for (int t = 0; t < PAD; t++) lanes[t] = 0.0f;
+    for (int j = 0; j < nb; j += PAD) {
+#pragma omp simd
+        for (int t = 0; t < PAD; t++) lanes[t] += p[j + t];
+    }
+    return lane_total(lanes);
+}
+
+/* The anchor masses s_a += sum_j P_ja and P^T P (upper triangle) += sum_j P_ja P_jb of one plan block of nb
+ * entries (a multiple of PAD: the padding is zero). */
 static void accumulate(const float *restrict pl, int nb, int ma, int mp, double *restrict s, double *restrict ppt) {
     for (int a = 0; a < ma; a++) {
         const float *pa = pl + a * BLOCK;
-        float sa = 0.0f;
-#pragma omp simd reduction(+ : sa)
-        for (int j = 0; j < nb; j++) sa += pa[j];
-        s[a] += sa;
-        for (int b = a; b < ma; b++) {
-            const float *pb = pl + b * BLOCK;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int j = 0; j < nb; j++) acc += pa[j] * pb[j];
-            ppt[a * mp + b] += acc;
-        }
+        s[a] += sum_lanes(pa, nb);
+        for (int b = a; b < ma; b++) ppt[a * mp + b] += dot_lanes(pa, pl + b * BLOCK, nb);
     }
 }
 
-/* Per-thread scratch, allocated once per call: the plan and gradient blocks, the row's normalised scores,
- * and the small per-row vectors and matrices (sized for mp anchors). */
-/* Per-thread scratch: the plan block (pl, g, zmax, inv) and thresholds (tz) of the sorted solve; the row's
- * normalised scores u and weights wv; a0, a1: the sigmoids of the unsorted solve's current and trial thresholds. */
+/* Per-thread scratch, allocated once per call: the plan block (pl, g, zmax, inv) and thresholds (tz) of the
+ * sorted solve; the row's normalised scores u and weights wv; a0, a1: the sigmoids of the unsorted solve's
+ * current and trial thresholds. */
 typedef struct { float *pl, *zmax, *inv, *g, *u, *wv, *a0, *a1, *tz; double *d; } workspace;
 
 static int64_t padded(int64_t n) { return (n + PAD - 1) / PAD * PAD; }
@@ -339,9 +363,9 @@ int soft_topk_forward(const float *x, const uint8_t *valid, const float *centre,
 static void output_block(const float *out, const float *gout, const uint8_t *valid, int nb, int k, int sorted,
                          int rest_on, int mp, float *pl, float *g) {
     int taken = sorted ? k : 1;
-    for (int l = 0; l < mp; l++) {
-        memset(pl + l * BLOCK, 0, sizeof(float) * nb);
-        memset(g + l * BLOCK, 0, sizeof(float) * nb);
+    for (int l = 0; l < mp; l++) {  /* zero up to the padded length: accumulate reads whole PAD lanes */
+        memset(pl + l * BLOCK, 0, sizeof(float) * padded(nb));
+        memset(g + l * BLOCK, 0, sizeof(float) * padded(nb));
     }
     for (int j = 0; j < nb; j++) {
         if (valid && !valid[j]) continue;
@@ -378,7 +402,7 @@ static void backward_row(const float *out, const float *gout, const uint8_t *val
             for (int j = 0; j < nb; j++) acc += pa[j] * (ga[j] - gbar[j]);
             v[l] += acc;
         }
-        accumulate(w->pl, nb, mp, mp, s, ppt);
+        accumulate(w->pl, (int)padded(nb), mp, mp, s, ppt);
     }
     solve_free(s, ppt, v, ma, mp, sol, mat);
     float wl[64];
@@ -465,17 +489,6 @@ static inline float sigmoid_f(float z) {
     float e = exp_nonpos(z >= 0.0f ? -z : z);  /* e^{-|z|}: never overflows */
     float r = 1.0f / (1.0f + e);                /* one division for both branches */
     return z >= 0.0f ? r : e * r;
-}
-
-/* The sum of PAD lanes, by a tree of halves in separate arrays: gcc's own reduction epilogue adds the lanes
- * one by one, which costs more than the work itself for short rows, and an in-place tree is versioned for
- * aliasing. */
-_Static_assert(PAD == 16, "lane_total is written for 16 lanes");
-static inline float lane_total(const float *lanes) {
-    float h8[8], h4[4];
-    for (int q = 0; q < 8; q++) h8[q] = lanes[q] + lanes[q + 8];
-    for (int q = 0; q < 4; q++) h4[q] = h8[q] + h8[q + 4];
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
 /* f(tau) + k = sum_i A_i and sum_i A_i (1 - A_i) over the valid elements (wv = 1, else 0); A itself goes to
