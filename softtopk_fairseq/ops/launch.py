@@ -14,6 +14,10 @@ def ensure_contiguous(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        return fn(*(fix(a) for a in args), **{k: fix(v) for k, v in kwargs.items()})
+        # (a list, and kwargs only when given: this runs on every kernel call, and small calls are dominated
+        # by such host work)
+        if kwargs:
+            kwargs = {k: fix(v) for k, v in kwargs.items()}
+        return fn(*[fix(a) for a in args], **kwargs)
 
     return wrapper

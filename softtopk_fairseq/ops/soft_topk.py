@@ -303,7 +303,9 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     dim = dim % scores.dim()
     in_dtype = scores.dtype
     compute_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
-    x = scores.to(compute_dtype).movedim(dim, -1)
+    x = scores if in_dtype == compute_dtype else scores.to(compute_dtype)
+    if dim != scores.dim() - 1:
+        x = x.movedim(dim, -1)
     batch_shape, n = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, n)
     if not largest:  # excluded entries are -inf from here on
@@ -314,17 +316,19 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         eps = _row_temperature(x, row_mask, k, epsilon, sorted, scaling, backend, method)
         out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend)
     else:
         out, info = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol), int(max_iter),
                                          method, backend)
-    if not torch.compiler.is_compiling():
-        # Rows may also stop early at their rounding floor (float32 scores far from 0 relative to epsilon
-        # carry only ~1e-7 * |x| / epsilon of information); that is reported in the info, not warned about.
+    # tol=0 asks for exactly max_iter iterations: nothing to warn. Rows may also stop early at their rounding
+    # floor (float32 scores far from 0 relative to epsilon carry only ~1e-7 * |x| / epsilon of information);
+    # that is reported in the info, not warned about. (The row-wise test only when some row reached max_iter.)
+    if not compiling and tol > 0 and info.numel() and float(info[:, 0].max()) >= max_iter:
         capped = (info[:, 0] >= max_iter) & (info[:, 1] > tol)
-        if tol > 0 and bool(capped.any()):  # tol=0 asks for exactly max_iter iterations: nothing to warn
+        if bool(capped.any()):
             warnings.warn(
                 f"soft_topk: {int(capped.sum())} row(s) hit max_iter={max_iter} with marginal error up to "
                 f"{float(info[:, 1].max()):.3g} > tol={tol:g} (raise max_iter or tol)",
@@ -332,8 +336,9 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     if sorted:
         out = out.reshape(*batch_shape, n, k).movedim(-2, dim)
     else:
-        out = out.reshape(*batch_shape, n).movedim(-1, dim)
-    out = out.to(in_dtype)
+        out = out.reshape(*batch_shape, n)
+        out = out if dim == scores.dim() - 1 else out.movedim(-1, dim)
+    out = out if out.dtype == in_dtype else out.to(in_dtype)
     if return_info:
         iters = info[:, 0].reshape(batch_shape)
         err = info[:, 1].reshape(batch_shape)
