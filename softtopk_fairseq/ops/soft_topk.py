@@ -160,12 +160,22 @@ def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, s
 
     def call(impl: backends.Backend):
         if scaling == "paper":
-            eps, at, slope = impl.paper_temperature(x, mask, float(k if sorted else 1), epsilon)
+            eps, at, slope = impl.paper_temperature(x, mask, _top_anchor(k, sorted), epsilon)
         else:
-            eps, at, slope = torch.full(x.shape[:1], epsilon, dtype=x.dtype, device=x.device), None, None
+            eps, at, slope = _constant_temperature(x, epsilon), None, None
         return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, at, slope)
 
     return _with_fallback(backend, backends.select(x, method, backend, sorted), call)
+
+
+def _top_anchor(k: int, sorted: bool) -> float:
+    """The top anchor ``K`` of the paper scaling's cost (anchors 0..K): ``k`` sorted, 1 unsorted."""
+    return float(k if sorted else 1)
+
+
+def _constant_temperature(x: Tensor, epsilon: float) -> Tensor:
+    """``epsilon`` for every row of (rows, n) scores (``scaling="none"``)."""
+    return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -238,10 +248,10 @@ def _row_temperature(x: Tensor, mask: Optional[Tensor], k: int, epsilon: float, 
     """Per-row temperature in score units of (rows, n) scores (already negated when largest=False; ``-inf`` and
     ``mask == False`` entries excluded), computed by the backend that runs the call."""
     if scaling != "paper":
-        return torch.full(x.shape[:1], float(epsilon), dtype=x.dtype, device=x.device)
+        return _constant_temperature(x, epsilon)
     # Under torch.compile the PyTorch version, which dynamo traces (the fused kernels are opaque calls).
     impl = backends.TORCH if torch.compiler.is_compiling() else backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, mask, float(k if sorted else 1),
+    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, mask, _top_anchor(k, sorted),
                                                                            float(epsilon), b))
 
 
