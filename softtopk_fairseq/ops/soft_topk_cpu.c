@@ -517,26 +517,46 @@ static void sigmoid_sums(const float *restrict u, const float *restrict wv, int6
     *slope = s;
 }
 
+/* The hard-assignment start between the k-th and (k+1)-th largest normalised scores (solvers.unsorted_start,
+ * solvers.hard_boundary): their midpoint, or across a gap wider than 2 * SATURATION the boundary nearest 0 at
+ * least SATURATION from both. */
+static float hard_threshold(float above, float below) {
+    float margin = (float)SATURATION + 8.0f * (float)FLT_EPS * (fabsf(above) + fabsf(below));
+    float t = 0.5f * (above + below);
+    if (above - below > 2.0f * margin) {
+        t = below + margin > 0.0f ? below + margin : 0.0f;
+        t = t < above - margin ? t : above - margin;
+    }
+    return isfinite(t) ? t : 0.0f;
+}
+
 /* The scalar state of one row's root search (solvers.newton_sigmoid_root): the bracket [lo, hi] of the root,
- * tau and f(tau) = sum_i A_i - k, the slope sum_i A_i (1 - A_i) there, and what the row's size decides. */
+ * tau and f(tau) = sum_i A_i - k, the slope sum_i A_i (1 - A_i) there, the second start's offset shift, and
+ * what the row's size decides. */
 typedef struct {
-    float tau, lo, hi;
+    float tau, lo, hi, shift;
     double f, slope, scale, log_k;
     int k, log_step;
 } root_state;
 
-/* Starts the search of a row with n_valid > k valid elements, all in [u_min, u_max]: the bracket is
- * [u_min + shift, u_max + shift] (shift = log((n-k)/k)), steps are taken in log space from the tail when
- * k <= LOG_STEP_FRACTION * n_valid; log_k = log(k) (the same for every row: computed once by the caller);
- * f and slope are set by root_evaluated. */
-static void root_init(root_state *st, int k, double log_k, int64_t n_valid, float u_min, float u_max, float shift) {
+/* Starts the search of a row with n_valid > k valid elements (solvers.unsorted_start) from its largest valid
+ * score top0, its k-th and (k+1)-th largest (above, below), its smallest (lowest) and its normalisation
+ * (centre, eps, bound): the bracket is [u_min + shift, u_max + shift] with shift = log((n-k)/k), steps are
+ * taken in log space from the tail when k <= LOG_STEP_FRACTION * n_valid, and the starts are the
+ * hard-assignment threshold tau0 (returned) and tau0 + shift. log_k, log_kf: log(k) in double and float,
+ * the same for every row (computed once by the caller). f and slope are set by root_evaluated. */
+static float root_start(root_state *st, int k, double log_k, float log_kf, int64_t n_valid, float top0, float above,
+                        float below, float lowest, float centre, float eps, float bound) {
     double scale = (double)(k < n_valid - k ? k : n_valid - k);
     st->scale = scale > 1.0 ? scale : 1.0;
     st->log_step = (double)k <= LOG_STEP_FRACTION * (double)n_valid;
     st->log_k = log_k;
     st->k = k;
-    st->lo = u_min + shift;
-    st->hi = u_max + shift;
+    st->shift = logf((float)(n_valid - k)) - log_kf;
+    /* normalisation is monotone: the bracket's ends come from the extreme scores */
+    st->lo = normalised(lowest, centre, eps, bound) + st->shift;
+    st->hi = normalised(top0, centre, eps, bound) + st->shift;
+    return hard_threshold(normalised(above, centre, eps, bound), normalised(below, centre, eps, bound));
 }
 
 /* The next threshold: the Newton step (in log space, or plain) from tau, or bisection when it leaves the
@@ -559,15 +579,13 @@ static inline double root_evaluated(root_state *st, float tau, double mass, doub
     return fabs(st->f) / st->scale;
 }
 
-/* The root of one row whose normalised scores u and weights wv (normalise_row) hold n_valid > k valid
- * elements, all in [u_min, u_max], from the better of tau0 and tau0 + shift; writes the row's output and
- * info. a, trial: scratch of padded(n) floats each. */
-static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64_t n_valid, int k, float u_min,
-                               float u_max, float shift, float tau0, double tol, int max_iter, float *a,
-                               float *trial, float *out, float *info) {
+/* The root of one row whose normalised scores u and weights wv (normalise_row) hold more than k valid
+ * elements, from the better of tau0 and tau0 + shift (st and tau0 from root_start); writes the row's output
+ * and info. a, trial: scratch of padded(n) floats each. */
+static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k, root_state st, float tau0,
+                               double tol, int max_iter, float *a, float *trial, float *out, float *info) {
     int64_t np = padded(n);
-    root_state st;
-    root_init(&st, k, log((double)k), n_valid, u_min, u_max, shift);
+    float shift = st.shift;
     double mass, slope, mass2, slope2;
     sigmoid_sums(u, wv, np, tau0, a, &mass, &slope);
     sigmoid_sums(u, wv, np, tau0 + shift, trial, &mass2, &slope2);
@@ -590,19 +608,6 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int64
     info[0] = (float)it;
     info[1] = (float)err;
     memcpy(out, a, sizeof(float) * n);
-}
-
-/* The hard-assignment start between the k-th and (k+1)-th largest normalised scores (solvers.unsorted_start,
- * solvers.hard_boundary): their midpoint, or across a gap wider than 2 * SATURATION the boundary nearest 0 at
- * least SATURATION from both. */
-static float hard_threshold(float above, float below) {
-    float margin = (float)SATURATION + 8.0f * (float)FLT_EPS * (fabsf(above) + fabsf(below));
-    float t = 0.5f * (above + below);
-    if (above - below > 2.0f * margin) {
-        t = below + margin > 0.0f ? below + margin : 0.0f;
-        t = t < above - margin ? t : above - margin;
-    }
-    return isfinite(t) ? t : 0.0f;
 }
 
 /* The whole unsorted forward of one row from its raw scores (valid: not -inf, and mask true where the caller
@@ -699,12 +704,10 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
         info[0] = 0.0f;
         info[1] = 0.0f;
     } else {
-        float above = normalised(top[k - 1], centre, eps, bound), below = normalised(top[k], centre, eps, bound);
-        float shift = logf((float)(n_valid - k)) - logf((float)k);  /* log((n - k) / k): solvers.unsorted_start */
-        /* the bracket of the root: normalisation is monotone, so these are the extremes of u */
-        float u_min = normalised(lowest, centre, eps, bound), u_max = normalised(top[0], centre, eps, bound);
-        unsorted_solve_row(w->u, w->wv, n, n_valid, k, u_min, u_max, shift, hard_threshold(above, below), a->tol,
-                           a->max_iter, w->a0, w->a1, out, info);
+        root_state st;
+        float tau0 = root_start(&st, k, log((double)k), logf((float)k), n_valid, top[0], top[k - 1], top[k], lowest,
+                                centre, eps, bound);
+        unsorted_solve_row(w->u, w->wv, n, k, st, tau0, a->tol, a->max_iter, w->a0, w->a1, out, info);
     }
     if (top != top_stack) free(top);
 }
@@ -785,7 +788,7 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         return;
     }
     /* per row: the centre, the normalised scores, and where its search starts */
-    float centre[GROUP], eps[GROUP], tau[GROUP], shift[GROUP];
+    float centre[GROUP], eps[GROUP], tau[GROUP];
     root_state st[GROUP];
     int active[GROUP], it = 0;
     double err[GROUP], mass[GROUP], slope[GROUP], mass2[GROUP], slope2[GROUP];
@@ -796,8 +799,8 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         eps[l] = a->eps[r0 + l];
         active[l] = nv > k;
     }
-    float bound = a->bound, log_k = logf((float)k);
-    double log_k_double = log((double)k);
+    float bound = a->bound, log_kf = logf((float)k);
+    double log_k = log((double)k);
     for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
         for (int l = 0; l < GROUP; l++) {
@@ -806,19 +809,14 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         }
     }
     for (int l = 0; l < GROUP; l++) {
-        int64_t nv = (int64_t)n_valid[l];
-        if (!active[l]) { tau[l] = 0.0f; shift[l] = 0.0f; continue; }
-        float above = normalised(tw[k - 1][l], centre[l], eps[l], bound);
-        float below = normalised(tw[k][l], centre[l], eps[l], bound);
-        shift[l] = logf((float)(nv - k)) - log_k;
-        root_init(&st[l], k, log_k_double, nv, normalised(lowest[l], centre[l], eps[l], bound),
-                  normalised(tw[0][l], centre[l], eps[l], bound), shift[l]);
-        tau[l] = hard_threshold(above, below);
+        if (!active[l]) { tau[l] = 0.0f; st[l].shift = 0.0f; continue; }
+        tau[l] = root_start(&st[l], k, log_k, log_kf, (int64_t)n_valid[l], tw[0][l], tw[k - 1][l], tw[k][l],
+                            lowest[l], centre[l], eps[l], bound);
     }
     /* the better of the two starts */
     group_sigmoid_sums(ut, wt, n, tau, cur, mass, slope);
     float tau2[GROUP];
-    for (int l = 0; l < GROUP; l++) tau2[l] = tau[l] + shift[l];
+    for (int l = 0; l < GROUP; l++) tau2[l] = tau[l] + st[l].shift;
     group_sigmoid_sums(ut, wt, n, tau2, trial, mass2, slope2);
     int second[GROUP];
     for (int l = 0; l < GROUP; l++) {
