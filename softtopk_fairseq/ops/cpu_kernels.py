@@ -35,7 +35,7 @@ BAD_NAN, BAD_INF = 2, 4
 # status bits from here.
 CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN,
              "BAD_INF": BAD_INF}
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          *(f"-D{name}={value!r}" for name, value in sorted(CONSTANTS.items()))]
 
 _lock = threading.Lock()

@@ -543,8 +543,8 @@ typedef struct {
  * score top0, its k-th and (k+1)-th largest (above, below), its smallest (lowest) and its normalisation
  * (centre, eps, bound): the bracket is [u_min + shift, u_max + shift] with shift = log((n-k)/k), steps are
  * taken in log space from the tail when k <= LOG_STEP_FRACTION * n_valid, and the starts are the
- * hard-assignment threshold tau0 (returned) and tau0 + shift. log_k, log_kf: log(k) in double and float,
- * the same for every row (computed once by the caller). f and slope are set by root_evaluated. */
+ * hard-assignment threshold tau0 (returned) and tau0 + shift. log_k (log_pos(k)), log_kf (logf(k)): the same
+ * for every row (computed once by the caller). f and slope are set by root_evaluated. */
 static float root_start(root_state *st, int k, double log_k, float log_kf, int64_t n_valid, float top0, float above,
                         float below, float lowest, float centre, float eps, float bound) {
     double scale = (double)(k < n_valid - k ? k : n_valid - k);
@@ -559,15 +559,56 @@ static float root_start(root_state *st, int k, double log_k, float log_kf, int64
     return hard_threshold(normalised(above, centre, eps, bound), normalised(below, centre, eps, bound));
 }
 
-/* The next threshold: the Newton step (in log space, or plain) from tau, or bisection when it leaves the
- * bracket, which f's sign at tau first narrows (f decreases in tau). */
+/* log x for x > 0 in double, in operations gcc vectorises (a libm call stops it from vectorising the lanes'
+ * step): x = m 2^e with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) with s = (m - 1) / (m + 1), |s| <= 0.172,
+ * by its series to s^19 (truncation below 3e-17 relative). -inf for x < DBL_MIN (log's limit at 0; the step
+ * then leaves the bracket and bisects). */
+static inline double log_pos(double x) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int64_t e = (int64_t)(bits >> 52) - 1023;
+    bits = (bits & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL;  /* m in [1, 2) */
+    double m;
+    memcpy(&m, &bits, sizeof m);
+    int big = m > 1.4142135623730951;
+    m = big ? 0.5 * m : m;
+    double ed = (double)(e + big);
+    double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    double p = 1.0 / 19.0;
+    p = p * s2 + 1.0 / 17.0;
+    p = p * s2 + 1.0 / 15.0;
+    p = p * s2 + 1.0 / 13.0;
+    p = p * s2 + 1.0 / 11.0;
+    p = p * s2 + 1.0 / 9.0;
+    p = p * s2 + 1.0 / 7.0;
+    p = p * s2 + 1.0 / 5.0;
+    p = p * s2 + 1.0 / 3.0;
+    p = p * s2 + 1.0;
+    /* ln 2 split in two so that e * LN2_HI is exact */
+    double r = ed * 6.93147180369123816490e-01 + (2.0 * s * p + ed * 1.90821492927058770002e-10);
+    return x >= 2.2250738585072014e-308 ? r : -INFINITY;
+}
+
+/* The next threshold of a row's search from tau, where f = sum_i A_i - k and slope = sum_i A_i (1 - A_i):
+ * f's sign narrows the bracket [lo, hi] (f decreases in tau), then the Newton step (in log space, or plain),
+ * or bisection when it leaves the bracket. Scalar and branch-free: the row-by-row solve calls it through
+ * root_next, the grouped solve on all its lanes at once. */
+static inline float root_step(float tau, double f, double slope, int log_step, int k, double log_k,
+                              float *restrict lo, float *restrict hi) {
+    float l = (f > 0) & (tau > *lo) ? tau : *lo;  /* the root is above */
+    float h = (f < 0) & (tau < *hi) ? tau : *hi;
+    *lo = l;
+    *hi = h;
+    double d = slope > 1.1754943508222875e-38 ? slope : 1.1754943508222875e-38;
+    double mass = f + k;
+    double log_newton = (log_pos(mass) - log_k) * mass / d, newton = f / d;
+    float step = (float)(tau + (log_step ? log_newton : newton));
+    /* (a NaN or infinite step fails the comparisons) */
+    return (step > l) & (step < h) ? step : 0.5f * (l + h);
+}
+
 static inline float root_next(root_state *st) {
-    if (st->f > 0) st->lo = st->tau > st->lo ? st->tau : st->lo;  /* the root is above */
-    if (st->f < 0) st->hi = st->tau < st->hi ? st->tau : st->hi;
-    double d = st->slope > 1.1754943508222875e-38 ? st->slope : 1.1754943508222875e-38;
-    double mass = st->f + st->k;
-    float step = (float)(st->log_step ? st->tau + (log(mass) - st->log_k) * mass / d : st->tau + st->f / d);
-    return (step > st->lo && step < st->hi && isfinite(step)) ? step : 0.5f * (st->lo + st->hi);
+    return root_step(st->tau, st->f, st->slope, st->log_step, st->k, st->log_k, &st->lo, &st->hi);
 }
 
 /* Moves to threshold tau, where sum_i A_i = mass and sum_i A_i (1 - A_i) = slope; returns the relative error
@@ -705,7 +746,7 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
         info[1] = 0.0f;
     } else {
         root_state st;
-        float tau0 = root_start(&st, k, log((double)k), logf((float)k), n_valid, top[0], top[k - 1], top[k], lowest,
+        float tau0 = root_start(&st, k, log_pos(k), logf((float)k), n_valid, top[0], top[k - 1], top[k], lowest,
                                 centre, eps, bound);
         unsorted_solve_row(w->u, w->wv, n, k, st, tau0, a->tol, a->max_iter, w->a0, w->a1, out, info);
     }
@@ -722,16 +763,17 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
 #define GROUP 16
 #define GROUP_ROW 64  /* rows up to this long, with k + 1 <= SHORT_ROW_TOP, go by groups */
 
-/* sum_i A_i and sum_i A_i (1 - A_i) of every lane at its threshold tau[l], A in a (transposed: a[j * GROUP + l]). */
+/* sum_i A_i and sum_i A_i (1 - A_i) of every lane at its threshold tau[l], A in a (transposed: a[j * GROUP + l])
+ * on the lanes where take[l] is nonzero (the others' entries of a are left as they are). */
 static void group_sigmoid_sums(const float *restrict ut, const float *restrict wt, int64_t n, const float *tau,
-                               float *restrict a, double *restrict mass, double *restrict slope) {
+                               const int *take, float *restrict a, double *restrict mass, double *restrict slope) {
     double m[GROUP], sl[GROUP];
     for (int l = 0; l < GROUP; l++) { m[l] = 0.0; sl[l] = 0.0; }
     for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
         for (int l = 0; l < GROUP; l++) {
             float aq = sigmoid_f(ut[j * GROUP + l] - tau[l]) * wt[j * GROUP + l];
-            a[j * GROUP + l] = aq;
+            a[j * GROUP + l] = take[l] ? aq : a[j * GROUP + l];
             m[l] += aq;
             sl[l] += aq * (1.0f - aq);
         }
@@ -800,7 +842,7 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         active[l] = nv > k;
     }
     float bound = a->bound, log_kf = logf((float)k);
-    double log_k = log((double)k);
+    double log_k = log_pos(k);
     for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
         for (int l = 0; l < GROUP; l++) {
@@ -809,15 +851,22 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         }
     }
     for (int l = 0; l < GROUP; l++) {
-        if (!active[l]) { tau[l] = 0.0f; st[l].shift = 0.0f; continue; }
+        err[l] = 0.0;
+        if (!active[l]) {  /* nothing to select: a state that no step reads */
+            st[l] = (root_state){.scale = 1.0, .log_k = log_k, .k = k};
+            tau[l] = 0.0f;
+            continue;
+        }
         tau[l] = root_start(&st[l], k, log_k, log_kf, (int64_t)n_valid[l], tw[0][l], tw[k - 1][l], tw[k][l],
                             lowest[l], centre[l], eps[l], bound);
     }
     /* the better of the two starts */
-    group_sigmoid_sums(ut, wt, n, tau, cur, mass, slope);
+    int all[GROUP];
+    for (int l = 0; l < GROUP; l++) all[l] = 1;
+    group_sigmoid_sums(ut, wt, n, tau, all, cur, mass, slope);
     float tau2[GROUP];
     for (int l = 0; l < GROUP; l++) tau2[l] = tau[l] + st[l].shift;
-    group_sigmoid_sums(ut, wt, n, tau2, trial, mass2, slope2);
+    group_sigmoid_sums(ut, wt, n, tau2, all, trial, mass2, slope2);
     int second[GROUP];
     for (int l = 0; l < GROUP; l++) {
         second[l] = 0;
@@ -833,26 +882,42 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
 #pragma omp simd
         for (int l = 0; l < GROUP; l++) cur[j * GROUP + l] = second[l] ? trial[j * GROUP + l] : cur[j * GROUP + l];
     }
-    /* Newton steps, while any row is unconverged; a row that stopped keeps its threshold (tau[l]) */
-    int any = 0;
-    for (int l = 0; l < GROUP; l++) any |= active[l];
-    int iters[GROUP];
-    for (int l = 0; l < GROUP; l++) iters[l] = 0;
+    /* Newton steps, while any row is unconverged, every lane's step at once (root_step, on the lanes' state
+     * laid out by field); a row that stopped keeps its threshold and state */
+    float lo[GROUP], hi[GROUP], at[GROUP];
+    double f[GROUP], sl[GROUP], scale[GROUP];
+    int log_step[GROUP], iters[GROUP], any = 0;
+    for (int l = 0; l < GROUP; l++) {
+        lo[l] = st[l].lo;
+        hi[l] = st[l].hi;
+        at[l] = st[l].tau;
+        f[l] = st[l].f;
+        sl[l] = st[l].slope;
+        scale[l] = st[l].scale;
+        log_step[l] = st[l].log_step;
+        iters[l] = 0;
+        any |= active[l];
+    }
     while (any && it < a->max_iter) {
-        for (int l = 0; l < GROUP; l++) tau[l] = active[l] ? root_next(&st[l]) : st[l].tau;
-        group_sigmoid_sums(ut, wt, n, tau, trial, mass, slope);
-        for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
-            for (int l = 0; l < GROUP; l++) cur[j * GROUP + l] = active[l] ? trial[j * GROUP + l] : cur[j * GROUP + l];
+        for (int l = 0; l < GROUP; l++) {
+            float next = root_step(at[l], f[l], sl[l], log_step[l], k, log_k, &lo[l], &hi[l]);
+            tau[l] = active[l] ? next : at[l];
         }
+        group_sigmoid_sums(ut, wt, n, tau, active, cur, mass, slope);  /* a stopped row keeps its sigmoids */
         it++;
         any = 0;
-        for (int l = 0; l < GROUP; l++) {
-            if (!active[l]) continue;
-            int stuck = tau[l] == st[l].tau;  /* the row's rounding floor (as in unsorted_solve_row) */
-            err[l] = root_evaluated(&st[l], tau[l], mass[l], slope[l]);
-            iters[l] = it;
-            active[l] = !(err[l] <= a->tol || stuck);
+#pragma omp simd reduction(| : any)
+        for (int l = 0; l < GROUP; l++) {  /* root_evaluated, on the active lanes */
+            int on = active[l];
+            int stuck = tau[l] == at[l];  /* the row's rounding floor (as in unsorted_solve_row) */
+            double fl = mass[l] - k, el = fabs(fl) / scale[l];
+            at[l] = tau[l];
+            f[l] = on ? fl : f[l];
+            sl[l] = on ? slope[l] : sl[l];
+            err[l] = on ? el : err[l];
+            iters[l] = on ? it : iters[l];
+            active[l] = on && !(el <= a->tol || stuck);
             any |= active[l];
         }
     }
