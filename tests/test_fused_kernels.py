@@ -69,6 +69,41 @@ def test_paper_temperature_matches_the_torch_path(backend):
         assert float(got[2][5]) == 0.0 and float(got[0][5]) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("n", [30, 100])  # rows solved 16 at a time (n <= 64), and one by one
+def test_cpu_unsorted_forward_computes_the_paper_temperature_it_solves_at(n):
+    """Under the paper scaling the C unsorted forward computes the temperature in its own pass over the scores
+    (``CpuBackend.solve_paper``): the same (eps, at, slope) as the PyTorch path's definition -- ties at a row's
+    maximum or minimum (the first occurrence), masks, -inf, a row of one valid entry and an empty row -- and
+    the same output and info as solving at that temperature given."""
+    from softtopk_fairseq.ops import backends
+
+    if backends.CPU.usable() is not None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(12)
+    x = torch.randn(37, n) * 2 + torch.linspace(-3, 3, 37)[:, None]
+    mask = torch.rand(37, n) > 0.2
+    x[1, ::4] = -torch.inf
+    x[3, 5] = x[3, 9] = x[3, 20] = x[3].max() + 12.0  # tied maximum, far above: the cost's maximum sits there
+    mask[3, [9, 20]] = True
+    mask[3, 5] = False                                 # the first of the tied maxima is masked out
+    x[4, 2] = x[4, 7] = x[4].min() - 8.0              # tied minimum, far below: the cost's maximum sits there
+    mask[4, [2, 7]] = True
+    mask[6] = False
+    mask[6, 11] = True                                 # one valid entry
+    mask[8] = False                                    # nothing valid
+    x[36, :] = 0.5                                     # all equal (a row past the last full group)
+    for anchor_top in (1.0, 3.0):
+        got = backends.CPU.solve_paper(x, mask, anchor_top, 0.1, 4, False, 1e-6, 50, "newton")
+        eps, at, slope = backends.TORCH.paper_temperature(x, mask, anchor_top, 0.1)
+        torch.testing.assert_close(got[2], eps)
+        keep = torch.arange(37) != 8  # the empty row's index is arbitrary
+        assert torch.equal(got[3][keep], at[keep])
+        torch.testing.assert_close(got[4], slope)
+        assert float(got[2][8]) == pytest.approx(0.1) and float(got[4][8]) == 0.0
+        out, info = backends.CPU.solve(x, mask, got[2], 4, False, 1e-6, 50, "newton")
+        assert torch.equal(got[0], out) and torch.equal(got[1], info)
+
+
 @pytest.mark.parametrize("backend", [*BACKENDS, "torch"])
 @pytest.mark.parametrize("sorted", [False, True])
 def test_bad_scores_raise_the_same_error_on_every_backend(backend, sorted):

@@ -13,7 +13,8 @@ both on (rows, n) scores with ``-inf`` on excluded entries and the caller's ``ma
 ``soft_topk.py`` keeps the definition, validation and the custom-op registration, and never asks which
 backend it holds. Inside, the shared preparation calls the hooks ``row_top``, ``forward`` and ``backward``,
 which the fused backends override; the C backend also overrides the entry points of the unsorted operator,
-whose preparation it does in the kernel itself (one call each way instead of a few dozen tensor operations).
+whose preparation it does in the kernel itself (one call each way instead of a few dozen tensor operations),
+and ``solve_paper``, computing the paper scaling's temperature in the same pass over the scores.
 
 ``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
@@ -97,6 +98,13 @@ class Backend:
         eps = torch.where(positive, epsilon * cost / 2, torch.full_like(cost, epsilon))
         slope = torch.where(positive, epsilon / 2 * torch.where(use_hi, slope_hi, slope_lo), 0.0)
         return eps, torch.where(use_hi, hi_at, lo_at), slope
+
+    def solve_paper(self, x: Tensor, mask: Optional[Tensor], anchor_top: float, epsilon: float, k: int,
+                    sorted: bool, tol: float, max_iter: int, method: str):
+        """The op's forward at the paper scaling's temperature: (out, info, eps, at, slope), as
+        :meth:`paper_temperature` then :meth:`solve`; a backend that has both in one pass overrides it."""
+        eps, at, slope = self.paper_temperature(x, mask, anchor_top, epsilon)
+        return (*self.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, at, slope)
 
     def row_top(self, x: Tensor, valid: Tensor, kk: int) -> Tensor:
         """The ``kk`` largest valid scores of each row, decreasing; ``-inf`` past the valid ones, NaN first."""
@@ -225,11 +233,16 @@ class CpuBackend(FusedBackend):
         if sorted:
             return super().solve(x, mask, eps, k, sorted, tol, max_iter, method)
         out, info, status = cpu_kernels.unsorted_solve(x, mask, eps, score_bound(x.dtype, k), k, tol, max_iter)
-        if status & cpu_kernels.BAD_NAN:
-            raise ValueError(NAN_SCORES)
-        if status & cpu_kernels.BAD_INF:
-            raise ValueError(INF_SCORES)
+        _raise_for_status(status)
         return out, info
+
+    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
+        if sorted:
+            return super().solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method)
+        out, info, status, eps, at, slope = cpu_kernels.unsorted_solve_paper(x, mask, anchor_top, epsilon,
+                                                                             score_bound(x.dtype, k), k, tol, max_iter)
+        _raise_for_status(status)
+        return out, info, eps, at, slope
 
     def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
         if sorted:
@@ -284,6 +297,14 @@ def score_bound(dtype: torch.dtype, k: int) -> float:
     """The normalised scores are clamped to +-this: far-away elements are saturated anyway, and the solvers'
     logits (a few anchors times u) stay finite."""
     return torch.finfo(dtype).max / (8.0 * (k + 2))
+
+
+def _raise_for_status(status: int) -> None:
+    """The C unsorted forward's report on the scores (``cpu_kernels.BAD_NAN`` / ``BAD_INF`` bits)."""
+    if status & cpu_kernels.BAD_NAN:
+        raise ValueError(NAN_SCORES)
+    if status & cpu_kernels.BAD_INF:
+        raise ValueError(INF_SCORES)
 
 
 def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:

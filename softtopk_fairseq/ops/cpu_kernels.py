@@ -6,7 +6,7 @@ Eager PyTorch makes ~5 passes over the (rows, k+1, n) plan per Newton evaluation
 launchers, prepared by ``backends.Backend.solve``; same math as ``solvers.newton_semi_dual`` and
 ``backward.implicit_grad``. The unsorted operator's (:func:`unsorted_solve`, :func:`unsorted_gradients`) take the
 raw scores and do that preparation themselves, and :func:`paper_temperature` computes the paper scaling's
-temperature in one pass.
+temperature in one pass (:func:`unsorted_solve_paper`: inside the unsorted forward's own pass).
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
 (``-march=native``) and cached under ``$SOFTTOPK_CACHE_DIR`` (default ``~/.cache/softtopk_fairseq``), keyed
@@ -35,6 +35,8 @@ BAD_NAN, BAD_INF = 2, 4
 # status bits from here.
 CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN,
              "BAD_INF": BAD_INF}
+# -fno-trapping-math: no floating-point exception is ever unmasked here; it lets gcc turn the selects around
+# divisions and comparisons into vector blends (the grouped unsorted solve's Newton step across 16 rows).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          *(f"-D{name}={value!r}" for name, value in sorted(CONSTANTS.items()))]
 
@@ -91,7 +93,7 @@ def _build() -> ctypes.CDLL:
     lib.soft_topk_forward.restype = ctypes.c_int
     lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
     lib.soft_topk_backward.restype = ctypes.c_int
-    lib.soft_topk_unsorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, i32]
+    lib.soft_topk_unsorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, f32, f32, p, p, i32]
     lib.soft_topk_unsorted_forward.restype = ctypes.c_int
     lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32]
     lib.soft_topk_unsorted_backward.restype = ctypes.c_int
@@ -194,16 +196,34 @@ def unsorted_solve(x, mask, eps, bound, k, tol, max_iter):
     the normalisation ``clamp((x - centre) / eps, +-bound)``, the hard-assignment start and the scalar root
     (``solvers.newton_sigmoid_root``). Returns the output (rows, n), info (rows, 2) and a status: 0, or the bits
     ``BAD_NAN`` (a NaN anywhere) / ``BAD_INF`` (+inf on a valid entry), for the caller to raise on."""
+    out, info, status, _, _ = _unsorted_forward(x, mask, eps, bound, k, tol, max_iter, None)
+    return out, info, status
+
+
+@ensure_contiguous
+def unsorted_solve_paper(x, mask, anchor_top, epsilon, bound, k, tol, max_iter):
+    """:func:`unsorted_solve` at the paper scaling's temperature, computed in the same pass over the scores as
+    :func:`paper_temperature` computes it: (out, info, status, eps, at, slope)."""
+    eps = torch.empty((x.shape[0],), dtype=torch.float32)
+    out, info, status, at, slope = _unsorted_forward(x, mask, eps, bound, k, tol, max_iter, (anchor_top, epsilon))
+    return out, info, status, eps, at, slope
+
+
+def _unsorted_forward(x, mask, eps, bound, k, tol, max_iter, paper):
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=torch.float32)
     info = torch.empty((rows, 2), dtype=torch.float32)
+    anchor_top, epsilon = paper if paper else (0.0, 0.0)
+    at = torch.empty((rows,), dtype=torch.int64) if paper else None
+    slope = torch.empty((rows,), dtype=torch.float32) if paper else None
     _check(x, mask, eps)
     status = library().soft_topk_unsorted_forward(_ptr(x), _ptr(mask), _ptr(eps), float(bound), _ptr(out),
                                                   _ptr(info), rows, n, k, float(tol), int(max_iter),
+                                                  float(anchor_top), float(epsilon), _ptr(at), _ptr(slope),
                                                   torch.get_num_threads())
     if status & 1:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return out, info, status
+    return out, info, status, at, slope
 
 
 @ensure_contiguous

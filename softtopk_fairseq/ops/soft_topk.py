@@ -160,10 +160,9 @@ def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, s
 
     def call(impl: backends.Backend):
         if scaling == "paper":
-            eps, at, slope = impl.paper_temperature(x, mask, _top_anchor(k, sorted), epsilon)
-        else:
-            eps, at, slope = _constant_temperature(x, epsilon), None, None
-        return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, at, slope)
+            return impl.solve_paper(x, mask, _top_anchor(k, sorted), epsilon, k, sorted, tol, max_iter, method)
+        eps = _constant_temperature(x, epsilon)
+        return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, None, None)
 
     return _with_fallback(backend, backends.select(x, method, backend, sorted), call)
 

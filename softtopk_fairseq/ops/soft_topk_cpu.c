@@ -479,6 +479,60 @@ int soft_topk_row_top(const float *x, const uint8_t *valid, float *top, int64_t 
     return 0;
 }
 
+/* The largest and smallest valid scores of a row (not -inf, mask true) and where they first occur: the
+ * scalar scan. Its branches are taken rarely and predictably enough that it beats branch-free lanes plus a
+ * search for the index (measured at 7680 rows x 32). hi = -inf and at 0 when nothing is valid. */
+static void row_extremes(const float *xr, const uint8_t *mask, int64_t n, float *hi, float *lo, int64_t *hi_at,
+                         int64_t *lo_at) {
+    float h = -INFINITY, l = INFINITY;
+    int64_t ha = 0, la = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = xr[j];
+        if ((mask && !mask[j]) || !(v > -INFINITY)) continue;
+        if (v > h) { h = v; ha = j; }
+        if (v < l) { l = v; la = j; }
+    }
+    *hi = h; *lo = l; *hi_at = ha; *lo_at = la;
+}
+
+/* ---- the paper scaling's per-row temperature (soft_topk._PaperTemperature, the definition) --------------
+ * eps_r = epsilon * M / 2 with M = max_i max(x_i^2, (x_i - K)^2) over the valid elements (not -inf, and mask
+ * true where the caller gives one), epsilon itself when M = 0 or nothing is valid; the cost is convex, so M
+ * sits at the row's largest or smallest valid score:
+ * one pass for both, then at[r] = where M is attained (the first such element) and slope[r] = dEps/dx there.
+ * The unsorted forward computes it too, in its own pass over the scores (soft_topk_unsorted_forward). */
+
+/* eps, at and slope (= d eps / d x_at) of a row from its largest and smallest valid scores hi, lo (hi = -inf:
+ * nothing valid) and where they first occur. */
+static inline void paper_temperature_of(float hi, float lo, int64_t hi_at, int64_t lo_at, float anchor_top,
+                                        float epsilon, float *eps, int64_t *at, float *slope) {
+    int any_valid = isfinite(hi);
+    if (!any_valid) { hi = 0.0f; lo = 0.0f; }
+    float hi_up = hi * hi, hi_down = (hi - anchor_top) * (hi - anchor_top);
+    float lo_up = lo * lo, lo_down = (lo - anchor_top) * (lo - anchor_top);
+    float cost_hi = hi_up > hi_down ? hi_up : hi_down, cost_lo = lo_up > lo_down ? lo_up : lo_down;
+    float slope_hi = hi_up >= hi_down ? 2.0f * hi : 2.0f * (hi - anchor_top);
+    float slope_lo = lo_up >= lo_down ? 2.0f * lo : 2.0f * (lo - anchor_top);
+    int use_hi = cost_hi >= cost_lo;
+    float cost = use_hi ? cost_hi : cost_lo;
+    int positive = cost > 0.0f && any_valid;
+    *at = use_hi ? hi_at : lo_at;
+    *slope = positive ? epsilon / 2.0f * (use_hi ? slope_hi : slope_lo) : 0.0f;
+    *eps = positive ? epsilon * cost / 2.0f : epsilon;
+}
+
+int soft_topk_paper_temperature(const float *x, const uint8_t *mask, int64_t rows, int64_t n, float anchor_top,
+                                float epsilon, float *eps, int64_t *at, float *slope, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float hi, lo;
+        int64_t hi_at, lo_at;
+        row_extremes(x + r * n, mask ? mask + r * n : NULL, n, &hi, &lo, &hi_at, &lo_at);
+        paper_temperature_of(hi, lo, hi_at, lo_at, anchor_top, epsilon, eps + r, at + r, slope + r);
+    }
+    return 0;
+}
+
 /* ---- the unsorted operator: one monotone root per row (solvers.newton_sigmoid_root) --------------------
  * A_i = sigmoid(u_i - tau) with sum_i A_i = k over the valid elements: safeguarded Newton on
  * f(tau) = sum_i sigmoid(u_i - tau) - k (f' = -sum_i a_i, a = A(1 - A)) inside the bracket
@@ -661,7 +715,8 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
 #define SHORT_ROW_TOP 8    /* ... when k + 1 is at most this */
 
 typedef struct {
-    const float *x, *eps;
+    const float *x;
+    float *eps;  /* read, or written first when paper is set */
     const uint8_t *mask;
     float bound, *out, *info;
     int64_t n;
@@ -669,6 +724,10 @@ typedef struct {
     double tol;
     int *status;
     int64_t first_row;  /* unsorted_forward_task's rows start here (those before go by groups) */
+    int paper;  /* the paper scaling's temperature (paper_temperature_of) is computed here, with at and slope */
+    float anchor_top, epsilon;
+    int64_t *at;
+    float *slope;
 } unsorted_args;
 
 static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
@@ -738,6 +797,12 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     }
     int64_t kth = (n_valid < k ? n_valid : k) - 1;
     float centre = kth >= 0 ? top[kth] : 0.0f;
+    if (a->paper) {
+        float hi, lo;
+        int64_t hi_at, lo_at;
+        row_extremes(x, mask, n, &hi, &lo, &hi_at, &lo_at);
+        paper_temperature_of(hi, lo, hi_at, lo_at, a->anchor_top, a->epsilon, a->eps + r, a->at + r, a->slope + r);
+    }
     float eps = a->eps[r], bound = a->bound;
     normalise_row(x, mask, n, centre, eps, bound, w->u, w->wv);
     if (n_valid <= k) {  /* nothing to select: every valid element is in */
@@ -788,12 +853,12 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
     int k = a->k;
     float ut[GROUP_ROW * GROUP], wt[GROUP_ROW * GROUP], cur[GROUP_ROW * GROUP], trial[GROUP_ROW * GROUP];
     float tw[SHORT_ROW_TOP][GROUP], lowest[GROUP], n_valid[GROUP];
-    int bad = 0;
+    int bad = 0, hi_at[GROUP], lo_at[GROUP];
     /* the scores transposed (raw, in ut for now), which of them are valid, the top-(k+1) of each row (as in
-     * unsorted_forward_task's short rows) and its smallest valid score */
+     * unsorted_forward_task's short rows), its smallest valid score and where its extremes first occur */
     for (int q = 0; q < SHORT_ROW_TOP; q++)
         for (int l = 0; l < GROUP; l++) tw[q][l] = -INFINITY;
-    for (int l = 0; l < GROUP; l++) { lowest[l] = INFINITY; n_valid[l] = 0.0f; }
+    for (int l = 0; l < GROUP; l++) { lowest[l] = INFINITY; n_valid[l] = 0.0f; hi_at[l] = 0; lo_at[l] = 0; }
     for (int l = 0; l < GROUP; l++) {  /* row by row: contiguous reads */
         const float *x = a->x + (r0 + l) * n;
         const uint8_t *mask = a->mask ? a->mask + (r0 + l) * n : NULL;
@@ -813,6 +878,8 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
             float v = ut[j * GROUP + l];
             int keep = wt[j * GROUP + l] > 0.0f;
             n_valid[l] += keep ? 1.0f : 0.0f;
+            hi_at[l] = keep && v > tw[0][l] ? (int)j : hi_at[l];
+            lo_at[l] = keep && v < lowest[l] ? (int)j : lo_at[l];
             lowest[l] = keep && v < lowest[l] ? v : lowest[l];
             float carry = keep ? v : -INFINITY, up = INFINITY;
 #pragma GCC unroll 16
@@ -838,6 +905,9 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         int64_t nv = (int64_t)n_valid[l];
         int64_t kth = (nv < k ? nv : k) - 1;
         centre[l] = kth >= 0 ? tw[kth][l] : 0.0f;
+        if (a->paper)
+            paper_temperature_of(tw[0][l], lowest[l], hi_at[l], lo_at[l], a->anchor_top, a->epsilon, a->eps + r0 + l,
+                                 a->at + r0 + l, a->slope + r0 + l);
         eps[l] = a->eps[r0 + l];
         active[l] = nv > k;
     }
@@ -931,13 +1001,17 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
     }
 }
 
-/* Returns 0, or a bit set: 1 = scratch memory could not be allocated, BAD_NAN, BAD_INF (see above). */
-int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, const float *eps, float bound, float *out,
-                               float *info, int64_t rows, int64_t n, int k, double tol, int max_iter, int threads) {
+/* Returns 0, or a bit set: 1 = scratch memory could not be allocated, BAD_NAN, BAD_INF (see above). at and slope
+ * NULL: eps (rows,) is the given temperature; else the paper scaling's (soft_topk_paper_temperature, with
+ * anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
+int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, float bound, float *out,
+                               float *info, int64_t rows, int64_t n, int k, double tol, int max_iter,
+                               float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
     int status = 0;
     int kk = k + 1 < n ? k + 1 : (int)n;
     int64_t groups = (n <= GROUP_ROW && kk <= SHORT_ROW_TOP) ? rows / GROUP : 0;
-    unsorted_args a = {x, eps, mask, bound, out, info, n, k, max_iter, tol, &status, groups * GROUP};
+    unsorted_args a = {x, eps, mask, bound, out, info, n, k, max_iter, tol, &status, groups * GROUP,
+                       at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
     if (groups > 0) status |= parallel_rows(groups, n, 2, threads, unsorted_group_task, &a);
     if (rows > groups * GROUP) status |= parallel_rows(rows - groups * GROUP, n, 2, threads, unsorted_forward_task, &a);
     return status;
@@ -1074,49 +1148,3 @@ int soft_topk_unsorted_backward(const float *out, const float *gout, const uint8
     return parallel_rows(rows, n, 2, threads, unsorted_backward_task, &a);
 }
 
-/* The largest and smallest valid scores of a row (not -inf, mask true) and where they first occur: the
- * scalar scan. Its branches are taken rarely and predictably enough that it beats branch-free lanes plus a
- * search for the index (measured at 7680 rows x 32). hi = -inf and at 0 when nothing is valid. */
-static void row_extremes(const float *xr, const uint8_t *mask, int64_t n, float *hi, float *lo, int64_t *hi_at,
-                         int64_t *lo_at) {
-    float h = -INFINITY, l = INFINITY;
-    int64_t ha = 0, la = 0;
-    for (int64_t j = 0; j < n; j++) {
-        float v = xr[j];
-        if ((mask && !mask[j]) || !(v > -INFINITY)) continue;
-        if (v > h) { h = v; ha = j; }
-        if (v < l) { l = v; la = j; }
-    }
-    *hi = h; *lo = l; *hi_at = ha; *lo_at = la;
-}
-
-/* ---- the paper scaling's per-row temperature (soft_topk._PaperTemperature, the definition) --------------
- * eps_r = epsilon * M / 2 with M = max_i max(x_i^2, (x_i - K)^2) over the valid elements (not -inf, and mask
- * true where the caller gives one), epsilon itself when M = 0 or nothing is valid; the cost is convex, so M
- * sits at the row's largest or smallest valid score:
- * one pass for both, then at[r] = where M is attained (the first such element) and slope[r] = dEps/dx there. */
-int soft_topk_paper_temperature(const float *x, const uint8_t *mask, int64_t rows, int64_t n, float anchor_top,
-                                float epsilon, float *eps, int64_t *at, float *slope, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        const uint8_t *mr = mask ? mask + r * n : NULL;
-        float hi, lo;
-        int64_t hi_at, lo_at;
-        row_extremes(xr, mr, n, &hi, &lo, &hi_at, &lo_at);
-        int any_valid = isfinite(hi);
-        if (!any_valid) { hi = 0.0f; lo = 0.0f; }
-        float hi_up = hi * hi, hi_down = (hi - anchor_top) * (hi - anchor_top);
-        float lo_up = lo * lo, lo_down = (lo - anchor_top) * (lo - anchor_top);
-        float cost_hi = hi_up > hi_down ? hi_up : hi_down, cost_lo = lo_up > lo_down ? lo_up : lo_down;
-        float slope_hi = hi_up >= hi_down ? 2.0f * hi : 2.0f * (hi - anchor_top);
-        float slope_lo = lo_up >= lo_down ? 2.0f * lo : 2.0f * (lo - anchor_top);
-        int use_hi = cost_hi >= cost_lo;
-        float cost = use_hi ? cost_hi : cost_lo;
-        int positive = cost > 0.0f && any_valid;
-        at[r] = use_hi ? hi_at : lo_at;
-        slope[r] = positive ? epsilon / 2.0f * (use_hi ? slope_hi : slope_lo) : 0.0f;
-        eps[r] = positive ? epsilon * cost / 2.0f : epsilon;
-    }
-    return 0;
-}
