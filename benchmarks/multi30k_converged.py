@@ -26,11 +26,18 @@ already in the ledger is skipped, and an interrupted one continues from its own 
 * ``attention`` -- the transformer from scratch with softmax, SOFT top-k and hard top-k encoder-decoder
   attention, with the pre-training's convergence rule.
 
-Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, hypotheses kept for the
-paired bootstrap of ``report``. Ledger record: key, stage, arch, method, seed, updates, epochs, converged,
-the val BLEU curve, val/test BLEU, wall seconds, and the exact extra arguments.
+Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, its hypotheses kept beside
+the ledger (``LEDGER.hyps/KEY.SUBSET.fr.gz``, written before the ledger row) for the paired bootstrap of
+``report``, so that the report needs no workdir of earlier sessions. Ledger record: key, stage, arch, method,
+seed, updates, epochs, converged, the val BLEU curve, val/test BLEU, wall seconds, and the exact extra arguments.
+
+Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
+has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
+place (the runs are deterministic) and records that run too, as ``KEY.rerun``, which ``report`` sets beside the
+original; without the flag those fine-tunings are skipped with a message saying so.
 """
 import argparse
+import gzip
 import json
 import os
 import re
@@ -38,6 +45,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -90,6 +98,20 @@ def append(path: str, row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def hyps_dir(ledger: str) -> str:
+    """Where the scored runs' hypotheses are kept: beside the ledger (LEDGER minus .jsonl, plus .hyps)."""
+    return re.sub(r"\.jsonl$", "", ledger) + ".hyps"
+
+
+def keep_hypotheses(ledger: str, key: str, out: str) -> None:
+    """Copies a scored run's detokenised hypotheses (val and test) beside the ledger, gzipped."""
+    os.makedirs(hyps_dir(ledger), exist_ok=True)
+    for subset in ("valid", "test"):
+        with open(os.path.join(out, f"{subset}.beam{BEAM}.fr"), "rb") as f, \
+                gzip.GzipFile(os.path.join(hyps_dir(ledger), f"{key}.{subset}.fr.gz"), "wb", mtime=0) as g:
+            g.write(f.read())
+
+
 def val_curve(log_path: str) -> List[dict]:
     """(epoch, updates, val BLEU) of every validation in a fairseq-train log."""
     curve = []
@@ -140,13 +162,15 @@ class Study:
         return [*EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
                 "--lr-patience", str(a.lr_patience), "--patience", str(a.patience), "--max-epoch", str(a.max_epoch)]
 
-    def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str]) -> Optional[dict]:
-        """One fairseq-train run and its scores, recorded; skipped when the ledger has it."""
+    def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str],
+              save_as: Optional[str] = None) -> Optional[dict]:
+        """One fairseq-train run and its scores, recorded; skipped when the ledger has it. ``save_as``: the
+        checkpoint directory's name when it is not ``key`` (a rerun trains into its original's)."""
         done = ledger_rows(self.ledger)
         if key in done:
             print(f"{key}: in the ledger, skipped", flush=True)
             return done[key]
-        save = os.path.join(self.args.workdir, "checkpoints", key)
+        save = os.path.join(self.args.workdir, "checkpoints", save_as or key)
         os.makedirs(save, exist_ok=True)
         resumed = os.path.exists(os.path.join(save, "checkpoint_last.pt"))
         if resumed:
@@ -169,6 +193,7 @@ class Study:
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
                "bleu": evaluate(self.data, os.path.join(save, "checkpoint_best.pt"), save),
                "extra": extra + shlex.split(self.args.extra_args)}
+        keep_hypotheses(self.ledger, key, save)
         append(self.ledger, row)
         return row
 
@@ -179,13 +204,13 @@ class Study:
         if key in ledger_rows(self.ledger):
             print(f"{key}: in the ledger, skipped", flush=True)
             return
-        if not os.path.exists(self.pretrained(seed)):
-            print(f"{key}: no converged pre-training yet, skipped", flush=True)
+        start = self.pretrained(seed)
+        if start is None:
             return
         out = os.path.join(self.args.workdir, f"{key}.jsonl")
         if os.path.exists(out):
             os.remove(out)  # a half-written earlier attempt
-        run_logged([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "soft_beam_pruning.py"), self.pretrained(seed),
+        run_logged([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "soft_beam_pruning.py"), start,
                     os.path.join(self.data, "bin"), "--batches", str(self.args.pruning_batches), "--json", out],
                    os.path.join(self.args.workdir, f"{key}.log"))
         with open(out, encoding="utf-8") as f:
@@ -193,25 +218,49 @@ class Study:
         append(self.ledger, {"key": key, "stage": "pruning", "arch": "rnnsearch", "method": "pruning", "seed": seed,
                              "rows": rows})
 
-    def pretrained(self, seed: int) -> str:
-        return os.path.join(self.args.workdir, "checkpoints", f"pretrain.rnnsearch.seed{seed}", "checkpoint_best.pt")
+    def pretrain(self, seed: int, key: Optional[str] = None) -> None:
+        """The converged RNNsearch pre-training of ``seed`` (recorded as ``key``, default its own key)."""
+        own = f"pretrain.rnnsearch.seed{seed}"
+        self.train(key or own, "pretrain" if key is None else "rerun", "rnnsearch", "teacher_forcing", seed,
+                   RNNSEARCH + ["--lr", str(self.args.lr)] + self.converge_args()
+                   + ["--criterion", "label_smoothed_cross_entropy"], save_as=own)
+
+    def pretrained(self, seed: int) -> Optional[str]:
+        """The converged checkpoint of ``seed``; trained again when the ledger has it but the workdir does not
+        and ``--retrain-missing`` is given; None (said why) when there is none."""
+        key = f"pretrain.rnnsearch.seed{seed}"
+        path = os.path.join(self.args.workdir, "checkpoints", key, "checkpoint_best.pt")
+        if os.path.exists(path):
+            return path
+        if key not in ledger_rows(self.ledger):
+            print(f"seed {seed}: no converged pre-training yet (run --stages pretrain), skipped", flush=True)
+            return None
+        if not self.args.retrain_missing:
+            print(f"seed {seed}: {key} is in the ledger but {path} is gone (another workdir?); pass "
+                  f"--retrain-missing to train it again (recorded as {key}.rerun), skipped", flush=True)
+            return None
+        self.pretrain(seed, key=f"{key}.rerun")
+        return path if os.path.exists(path) else None
 
     def run(self) -> None:
         a = self.args
         os.makedirs(a.workdir, exist_ok=True)
         self.prepare()
-        pretrain_lr = ["--lr", str(a.lr)]
         if "pretrain" in a.stages:
             for seed in a.seeds:
-                self.train(f"pretrain.rnnsearch.seed{seed}", "pretrain", "rnnsearch", "teacher_forcing", seed,
-                           RNNSEARCH + pretrain_lr + self.converge_args() + ["--criterion", "label_smoothed_cross_entropy"])
+                self.pretrain(seed)
         if "finetune" in a.stages:
             for seed in a.seeds:
-                if not os.path.exists(self.pretrained(seed)):
-                    print(f"finetune seed {seed}: no converged pre-training yet, skipped", flush=True)
-                    continue
+                done = ledger_rows(self.ledger)
                 for name in a.runs:
-                    extra = RNNSEARCH + ["--finetune-from-model", self.pretrained(seed), "--criterion",
+                    if f"finetune.{name}.seed{seed}" in done:
+                        print(f"finetune.{name}.seed{seed}: in the ledger, skipped", flush=True)
+                todo = [name for name in a.runs if f"finetune.{name}.seed{seed}" not in done]
+                start = self.pretrained(seed) if todo else None  # (which may train it again: --retrain-missing)
+                if start is None:
+                    continue
+                for name in todo:
+                    extra = RNNSEARCH + ["--finetune-from-model", start, "--criterion",
                                          "soft_beam_search", "--soft-beam-candidates", str(a.candidates),
                                          *FINETUNE_RUNS[name], *EVAL_BLEU, "--lr", str(a.finetune_lr),
                                          "--lr-scheduler", "fixed", "--max-epoch", str(a.finetune_epochs),
@@ -232,13 +281,27 @@ class Study:
 
 def paired_bootstrap(ref: str, baseline: str, system: str) -> Optional[float]:
     """sacrebleu's paired bootstrap resampling (``--paired-bs``, 1000 resamples): the p-value of ``system``
-    against ``baseline`` on reference file ``ref``."""
+    against ``baseline`` (hypothesis files, gzipped or not) on reference file ``ref``."""
     if not all(os.path.exists(p) for p in (ref, baseline, system)):
         return None
-    out = subprocess.run([sys.executable, "-m", "sacrebleu", ref, "-i", baseline, system, "-m", "bleu",
-                          "--paired-bs", "-f", "text"], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = []
+        for i, path in enumerate((baseline, system)):
+            if path.endswith(".gz"):
+                with gzip.open(path, "rb") as f, open(os.path.join(tmp, f"{i}.fr"), "wb") as g:
+                    g.write(f.read())
+                path = os.path.join(tmp, f"{i}.fr")
+            plain.append(path)
+        out = subprocess.run([sys.executable, "-m", "sacrebleu", ref, "-i", *plain, "-m", "bleu",
+                              "--paired-bs", "-f", "text"], capture_output=True, text=True)
     m = re.findall(r"p = ([\d.]+)", out.stdout)
     return float(m[-1]) if m else None
+
+
+def hypotheses(args, ledger: str, key: str, subset: str) -> str:
+    """A scored run's hypotheses: those kept beside the ledger, else the workdir's."""
+    kept = os.path.join(hyps_dir(ledger), f"{key}.{subset}.fr.gz")
+    return kept if os.path.exists(kept) else os.path.join(args.workdir, "checkpoints", key, f"{subset}.beam{BEAM}.fr")
 
 
 def mean_std(values: List[float]) -> str:
@@ -257,7 +320,8 @@ def report(args) -> str:
              "|---|---|---|---|---|---|---|"]
     groups: Dict[str, List[dict]] = {}
     pruning = [r for r in rows.values() if r["stage"] == "pruning"]
-    rows = {key: r for key, r in rows.items() if r["stage"] != "pruning"}
+    reruns = [r for r in rows.values() if r["stage"] == "rerun"]
+    rows = {key: r for key, r in rows.items() if r["stage"] not in ("pruning", "rerun")}
     for r in rows.values():
         groups.setdefault(f"{r['stage']}.{r['method']}", []).append(r)
     for group, rs in groups.items():
@@ -280,10 +344,9 @@ def report(args) -> str:
                 if b is None:
                     continue
                 diffs.append(r["bleu"][subset] - b["bleu"][subset])
-                ckpt = lambda row: os.path.join(args.workdir, "checkpoints", row["key"])  # noqa: E731
                 p = paired_bootstrap(os.path.join(data, "ref", f"{subset}.fr"),
-                                     os.path.join(ckpt(b), f"{subset}.beam{BEAM}.fr"),
-                                     os.path.join(ckpt(r), f"{subset}.beam{BEAM}.fr"))
+                                     hypotheses(args, ledger, b["key"], subset),
+                                     hypotheses(args, ledger, r["key"], subset))
                 ps.append("-" if p is None else f"{p:.3f}")
             if diffs:
                 lines.append(f"| {system} - {baseline} | {subset} | {' / '.join(f'{d:+.2f}' for d in diffs)} | "
@@ -296,6 +359,15 @@ def report(args) -> str:
         tail = [p["bleu"] for p in r["val_curve"][-(args.patience + 1):]]
         lines.append(f"| {r['key']} | {r['epochs']} | {r['best_updates']} | {' '.join(f'{b:.2f}' for b in tail)} | "
                      f"{max(tail) - min(tail):.2f} |")
+    if reruns:  # pre-trainings trained again from scratch (--retrain-missing): did they reproduce?
+        lines += ["", "| rerun of | epochs (original / rerun) | best update | BLEU val | BLEU test |",
+                  "|---|---|---|---|---|"]
+        for r in reruns:
+            o = rows.get(r["key"].removesuffix(".rerun"))
+            if o is not None:
+                lines.append(f"| {o['key']} | {o['epochs']} / {r['epochs']} | {o['best_updates']} / {r['best_updates']} "
+                             f"| {o['bleu']['valid']:.2f} / {r['bleu']['valid']:.2f} "
+                             f"| {o['bleu']['test']:.2f} / {r['bleu']['test']:.2f} |")
     for r in pruning:
         lines += ["", f"Pruning on {r['key']} (L_SOFT alone, same batches, eval mode):", "",
                   "| setting | M | L_SOFT (nats/token) | gradient cosine to exact | gradient norm / exact | "
@@ -333,6 +405,9 @@ def main(argv=None) -> None:
     p.add_argument("--attention-modes", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     p.add_argument("--extra-args", default="", help="fairseq-train arguments appended to every run, last (e.g. "
                                                     "smaller sizes for a smoke test); recorded in the ledger")
+    p.add_argument("--retrain-missing", action="store_true",
+                   help="train again a pre-training that the ledger has but the workdir lacks (fine-tuning and pruning "
+                        "start from its checkpoint); recorded as KEY.rerun")
     p.add_argument("--verbose", action="store_true", help="stream fairseq's logs to the terminal")
     args = p.parse_args(argv)
     if args.command == "run":

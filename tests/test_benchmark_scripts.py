@@ -1,7 +1,9 @@
 """The benchmark scripts run end to end (tiny sizes or a tiny checkpoint; their figures come from real runs)."""
+import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -171,7 +173,9 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(script, tmp_path):
 def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     """The converged study's driver end to end on a toy corpus at tiny sizes: pre-training with validation
     BLEU and early stopping, fine-tuning from its best checkpoint, one attention run, the ledger (a second
-    `run` skips what is recorded) and the report with paired differences."""
+    `run` skips what is recorded), the hypotheses kept beside it, a pre-training whose workdir is gone
+    trained again only when asked (--retrain-missing), and the report with paired differences computed from
+    the kept hypotheses alone."""
     from softtopk_fairseq.pipeline import toy_corpus
 
     data = tmp_path / "raw"
@@ -211,11 +215,25 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     assert pre["epochs"] <= 2 and isinstance(pre["converged"], bool)
     assert pre["converged"] or pre["epochs"] == 2  # stopped by --patience, or by the --max-epoch cap
     assert all(set(r["bleu"]) == {"valid", "test"} for r in rows)
-    assert (tmp_path / "work" / "checkpoints" / "finetune.tf.seed1" / "test.beam5.fr").is_file()
+    kept = tmp_path / "ledger.hyps"
+    for r in rows:
+        for subset in ("valid", "test"):
+            with gzip.open(kept / f"{r['key']}.{subset}.fr.gz", "rt") as f:
+                assert f.read() == (tmp_path / "work" / "checkpoints" / r["key"] / f"{subset}.beam5.fr").read_text()
     again = driver("run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "--extra-args", rnn)
     assert "pretrain.rnnsearch.seed1: in the ledger, skipped" in again and "finetune.tf.seed1: in the ledger" in again
+    # Another session's workdir: the checkpoints are gone, the ledger and the kept hypotheses are not.
+    shutil.rmtree(tmp_path / "work" / "checkpoints")
+    skipped = driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--extra-args", rnn)
+    assert "is in the ledger but" in skipped and "--retrain-missing" in skipped
+    driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--retrain-missing",
+           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--candidates", "10", "--extra-args", rnn)
+    with open(tmp_path / "ledger.jsonl") as f:
+        keys = [json.loads(line)["key"] for line in f]
+    assert keys[-2:] == ["pretrain.rnnsearch.seed1.rerun", "finetune.softmax_k_times.seed1"]
     table = driver("report", "--workdir", str(tmp_path / "work"), "--ledger", str(tmp_path / "ledger.jsonl"),
                    "--patience", "1")
+    assert "| rerun of |" in table and "| pretrain.rnnsearch.seed1 |" in table
     assert "| finetune.soft_beam_paper - finetune.tf | valid |" in table
     assert "| attention.soft_topk - attention.softmax | test |" in table
     assert "Pruning on pruning.rnnsearch.seed1" in table and "| paper | exact |" in table
