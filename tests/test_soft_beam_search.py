@@ -176,6 +176,24 @@ def test_soft_loss_matches_finite_differences(options):
     _finite_difference_check(model, lambda: run(model, sample, d, beam=3, **options).nll.sum())
 
 
+@pytest.mark.parametrize("relaxation", ["ot", "softmax_k_times", "perturbed"])
+@pytest.mark.parametrize("candidates", [0, 10])
+def test_paper_scaling_gradients_are_finite_for_every_relaxation(relaxation, candidates):
+    """Banned tokens and dead beams are -inf candidates at every step; under the paper scaling the temperature
+    depends on the scores, and excluding those candidates must not leak a NaN into its gradient (the perturbed
+    relaxation once divided them by sigma: 0 * inf in sigma's gradient, NaN in every parameter's)."""
+    d = dictionary(10)
+    torch.manual_seed(0)
+    model = build("lstm", d)
+    sample = batch(d, bsz=3, tgt_lens=(5, 3, 4))
+    out = run(model, sample, d, beam=3, relaxation=relaxation, epsilon=0.3, scaling="paper", samples=4,
+              candidates=candidates)
+    out.nll.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
 def test_perturbed_soft_loss_with_fixed_noise_matches_finite_differences(monkeypatch):
     """With the noise fixed (the same seed for every evaluation), the perturbed A is piecewise constant in the
     parameters: the loss's derivative is then the gradient with A held fixed, which finite differences check

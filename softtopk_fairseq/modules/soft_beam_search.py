@@ -131,7 +131,11 @@ class Perturbed(Relaxation):
 
     def relax(self, kept):
         sigma = self.temperature(kept).unsqueeze(-1)
-        return perturbed_topk(kept / sigma, self.k, sigma=1.0, samples=self.samples, sorted=True), None, None
+        # Excluded candidates (-inf) stay -inf without entering the division: d(x / sigma)/d sigma at x = -inf
+        # would put 0 * inf = NaN into sigma's gradient under the paper scaling.
+        live = kept > -torch.inf
+        scaled = torch.where(live, torch.where(live, kept, 0.0) / sigma, -torch.inf)
+        return perturbed_topk(scaled, self.k, sigma=1.0, samples=self.samples, sorted=True), None, None
 
     def pruned_mass(self, A, kept, rest):
         r"""A pruned candidate ``p`` (``x_p <= x_k``, the k-th best kept score) holds a rank of
