@@ -170,6 +170,87 @@ def _log_probs(model, net_output) -> Tensor:
     return model.get_normalized_probs(net_output, log_probs=True)
 
 
+class _Candidates(NamedTuple):
+    kept: Tensor                # (bsz, M) the candidate scores entering the relaxed top-k (differentiable)
+    index: Optional[Tensor]     # (bsz, M) their flat index beam * V + token; None: all k*V are kept, in order
+    kept_scores: Optional[Tensor]  # (bsz, M) kept, without autograd (pruned case)
+    all_scores: Optional[Tensor]   # (bsz, k*V) every candidate's score, without autograd (pruned case)
+
+
+def _candidates(cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int) -> _Candidates:
+    """The step's candidate scores ``cum + log p`` of the ``k*V`` extensions (``eos``/``pad`` excluded), or
+    with ``0 < candidates < k*V`` the hard top-M of them (selected without autograd, then gathered
+    differentiably: the backward touches M entries per sentence instead of k*V)."""
+    bsz, k, V = lprobs.shape
+    if candidates <= 0 or candidates >= k * V:
+        cand = cum.unsqueeze(-1) + lprobs
+        cand[:, :, banned] = -torch.inf  # in place on a fresh tensor: add's backward does not need it
+        return _Candidates(cand.view(bsz, k * V), None, None, None)
+    with torch.no_grad():
+        cand = cum.unsqueeze(-1) + lprobs
+        cand[:, :, banned] = -torch.inf
+        cand = cand.view(bsz, k * V)
+        top, index = torch.topk(cand, candidates, dim=1)
+    kept = cum.gather(1, index // V) + lprobs.view(bsz, k * V).gather(1, index)
+    kept = kept.masked_fill(top == -torch.inf, -torch.inf)  # banned tokens and dead beams stay out
+    return _Candidates(kept, index, top, cand)
+
+
+def _follow(A: Tensor, c: _Candidates, bookkeeping: str, V: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Hard bookkeeping (App. I.2): the candidate each rank continues -- the argmax of ``A[:, l]``, or the hard
+    top-k of the scores (its eps -> 0 limit, always k distinct candidates) -- as (parent beam, token,
+    cumulative score), each (bsz, k)."""
+    k = A.shape[-1]
+    best = A.detach().argmax(1) if bookkeeping == "argmax" else torch.topk(c.kept.detach(), k, dim=1).indices
+    flat = best if c.index is None else c.index.gather(1, best)
+    return flat // V, flat % V, c.kept.gather(1, best)
+
+
+def _soft_order_and_input(A: Tensor, c: _Candidates, embed, V: int) -> Tuple[Tensor, Tensor]:
+    """The soft state's mixing ``W[l, i] = sum_{c from beam i} A[c, l]`` (bsz, k, k; eq. (10)) and the soft
+    inputs ``sum_c A[c, l] embed(token(c))`` (bsz, k, dim; eq. (9))."""
+    bsz, k = A.shape[0], A.shape[-1]
+    if c.index is None:
+        A4 = A.view(bsz, k, V, k)
+        mixing = A4.sum(2).transpose(1, 2)
+        table = embed(torch.arange(V, device=A.device))
+        return mixing, torch.matmul(A4.sum(1).transpose(1, 2).to(table.dtype), table)
+    beam_of = c.index // V
+    mixing = c.kept.new_zeros(bsz, k, k).scatter_add(2, beam_of.unsqueeze(1).expand(bsz, k, -1), A.transpose(1, 2))
+    table = embed(c.index % V)
+    return mixing, torch.bmm(A.transpose(1, 2).to(table.dtype), table)
+
+
+def _backtrack(final_lp, gold_lp, parents, tokens, lengths: Tensor, pad: int,
+               eos: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Every final beam backtracked from its sentence's ``eos`` position, ranked by ``cumulative score +
+    log p(eos)``: (L_SOFT per sentence -- the gold tokens' NLL along the best beam --, hypotheses (bsz, k, T),
+    their scores (bsz, k))."""
+    final = torch.stack(final_lp, 1)                    # (bsz, T, k)
+    bsz, T, k = final.shape
+    device = final.device
+    last = lengths - 1                                  # index of eos in the target
+    final_at_end = final.gather(1, last.view(bsz, 1, 1).expand(bsz, 1, k)).squeeze(1)
+    ranked_scores, ranked = final_at_end.sort(-1, descending=True)
+    path = torch.zeros(bsz, k, T, dtype=torch.long, device=device)
+    hyps = torch.full((bsz, k, T), pad, dtype=torch.long, device=device)
+    cur = ranked
+    for t in range(T - 1, -1, -1):
+        at_end = (t == last).view(bsz, 1)
+        active = (t <= last).view(bsz, 1)
+        cur = torch.where(at_end, ranked, cur)
+        path[:, :, t] = cur
+        if t > 0:
+            hyps[:, :, t - 1] = torch.where(active, tokens[t - 1].gather(1, cur), pad)
+            cur = torch.where(active, parents[t - 1].gather(1, cur), cur)
+    hyps = torch.where((torch.arange(T, device=device) == last.view(bsz, 1)).unsqueeze(1), eos, hyps)
+    gold = torch.stack(gold_lp, 1)                      # (bsz, T, k)
+    along_best = gold.gather(2, path[:, 0, :].unsqueeze(2)).squeeze(2)
+    positions = torch.arange(T, device=device).view(1, T) <= last.view(bsz, 1)
+    nll = -torch.where(positions, along_best, torch.zeros_like(along_best)).sum(1)
+    return nll, hyps, ranked_scores
+
+
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
                      beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
@@ -232,81 +313,24 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             final_lp.append((cum + lprobs[:, :, eos]).detach())
             if t == T - 1:
                 break
-
-            exact = candidates <= 0 or candidates >= k * V
-            if exact:
-                cand = cum.unsqueeze(-1) + lprobs
-                cand[:, :, banned] = -torch.inf  # in place on a fresh tensor: add's backward does not need it
-                kept, kept_idx = cand.view(bsz, k * V), None
-            else:
-                # Select without autograd, then gather the M kept scores differentiably: the backward then
-                # touches M entries per sentence instead of k*V.
-                with torch.no_grad():
-                    cand = cum.unsqueeze(-1) + lprobs
-                    cand[:, :, banned] = -torch.inf
-                    cand = cand.view(bsz, k * V)
-                    top, kept_idx = torch.topk(cand, candidates, dim=1)
-                kept = cum.gather(1, kept_idx // V) + lprobs.view(bsz, k * V).gather(1, kept_idx)
-                kept = kept.masked_fill(top == -torch.inf, -torch.inf)  # banned tokens and dead beams stay out
-            A, iterations, error = relax.relax(kept)
+            c = _candidates(cum, lprobs, banned, candidates)
+            A, iterations, error = relax.relax(c.kept)
             iters.append(iterations if iterations is not None else lprobs.new_zeros(()))
             errs.append(error if error is not None else lprobs.new_zeros(()))
-            if not exact:
+            if c.index is not None:
                 with torch.no_grad():
-                    rest = cand.scatter_(1, kept_idx, -torch.inf)  # the pruned candidates (cand is not reused)
-                    pruned += relax.pruned_mass(A.detach(), top, rest).float()
-
-            # Hard bookkeeping: the argmax candidate of each rank (App. I.2), or the hard top-k of the scores
-            # (its eps -> 0 limit, always k distinct candidates).
-            if bookkeeping == "argmax":
-                best = A.detach().argmax(1)  # (bsz, k)
-            else:
-                best = torch.topk(kept.detach(), k, dim=1).indices
-            flat = best if exact else kept_idx.gather(1, best)
-            parent, token = flat // V, flat % V
-            cum = kept.gather(1, best)
+                    rest = c.all_scores.scatter_(1, c.index, -torch.inf)  # the pruned ones (not reused)
+                    pruned += relax.pruned_mass(A.detach(), c.kept_scores, rest).float()
+            parent, token, cum = _follow(A, c, bookkeeping, V)
             order = (base + parent).view(-1)
-
-            # Soft state (eq. 10) and soft input (eq. 9).
-            if exact:
-                A4 = A.view(bsz, k, V, k)
-                mixing = A4.sum(2).transpose(1, 2)
-                table = embed(torch.arange(V, device=device))
-                soft = torch.matmul(A4.sum(1).transpose(1, 2).to(table.dtype), table)
-            else:
-                beam_of = kept_idx // V
-                mixing = lprobs.new_zeros(bsz, k, k).scatter_add(2, beam_of.unsqueeze(1).expand(bsz, k, -1),
-                                                                  A.transpose(1, 2))
-                table = embed(kept_idx % V)
-                soft = torch.bmm(A.transpose(1, 2).to(table.dtype), table)
+            mixing, soft = _soft_order_and_input(A, c, embed, V)
             decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, mixing))
             prefix = torch.cat([prefix[order], token.view(-1, 1)], 1)
             soft_input.pending = soft.reshape(bsz * k, 1, -1)
             parents.append(parent)
             tokens.append(token)
 
-    # Backtrack every final beam from its sentence's eos position.
-    last = lengths - 1                                  # index of eos in the target
-    final = torch.stack(final_lp, 1)                    # (bsz, T, k)
-    final_at_end = final.gather(1, last.view(bsz, 1, 1).expand(bsz, 1, k)).squeeze(1)
-    ranked_scores, ranked = final_at_end.sort(-1, descending=True)
-    path = torch.zeros(bsz, k, T, dtype=torch.long, device=device)
-    hyps = torch.full((bsz, k, T), pad, dtype=torch.long, device=device)
-    cur = ranked
-    for t in range(T - 1, -1, -1):
-        at_end = (t == last).view(bsz, 1)
-        active = (t <= last).view(bsz, 1)
-        cur = torch.where(at_end, ranked, cur)
-        path[:, :, t] = cur
-        if t > 0:
-            hyps[:, :, t - 1] = torch.where(active, tokens[t - 1].gather(1, cur), pad)
-            cur = torch.where(active, parents[t - 1].gather(1, cur), cur)
-    hyps = torch.where((torch.arange(T, device=device) == last.view(bsz, 1)).unsqueeze(1), eos, hyps)
-
-    gold = torch.stack(gold_lp, 1)                      # (bsz, T, k)
-    along_best = gold.gather(2, path[:, 0, :].unsqueeze(2)).squeeze(2)
-    positions = torch.arange(T, device=device).view(1, T) <= last.view(bsz, 1)
-    nll = -torch.where(positions, along_best, torch.zeros_like(along_best)).sum(1)
+    nll, hyps, ranked_scores = _backtrack(final_lp, gold_lp, parents, tokens, lengths, pad, eos)
     steps = max(T - 1, 1)
     zero = target.new_zeros(steps, dtype=torch.float)
     return SoftBeamOutput(
