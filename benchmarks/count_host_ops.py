@@ -1,6 +1,9 @@
-"""Host-side tensor operations and host-device synchronisations of one soft_topk call (forward + backward).
+"""Host-side tensor operations and host-device synchronisations of one soft_topk call (forward + backward),
+or of one soft beam-search update (``--soft-beam``: the criterion's loss and its backward, by where in our code
+each operation is issued).
 
     .venv/bin/python benchmarks/count_host_ops.py [--rows 6] [--n 40] [--k 3]
+    .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20]
 
 On a GPU every tensor operation outside the fused kernels is at least one kernel launch, and every
 ``bool(tensor)`` / ``.item()`` a synchronisation: a soft beam-search update makes ~16 calls per batch, so these
@@ -11,6 +14,7 @@ out -- add the launches themselves, 2 or 3 per call. On CUDA tensors the host co
 """
 import argparse
 import os
+import sys
 import traceback
 from collections import Counter
 
@@ -25,17 +29,28 @@ SYNCS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default")
 KERNEL_MODULES = ("triton_kernels.py", "cpu_kernels.py")
 
 
+# Operations that only make a new view of a tensor: no kernel on a GPU, left out of --soft-beam's table.
+VIEWS = ("view", "as_strided", "unsqueeze", "squeeze", "transpose", "expand", "slice", "select", "aten.t.",
+         "detach", "alias", "permute", "_unsafe_view", "split", "unbind")
+
+
 class HostOps(TorchDispatchMode):
-    """Counts tensor operations by kind; those issued inside a kernel launcher are skipped (the interpreter's)."""
+    """Counts tensor operations by kind (``ops``) and by the innermost function of ours that issued them
+    (``sources``: "file.py:function", "autograd engine" for the backward of PyTorch's own operations);
+    those issued inside a kernel launcher are skipped (the interpreter's)."""
 
     def __init__(self):
         super().__init__()
         self.ops = Counter()
+        self.sources = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frames = [f for f in traceback.extract_stack() if "softtopk_fairseq" in f.filename]
         if not (frames and frames[-1].filename.endswith(KERNEL_MODULES)):
             self.ops[str(func)] += 1
+            if not any(v in str(func) for v in VIEWS):
+                where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].name}" if frames else "autograd engine"
+                self.sources[where] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -55,12 +70,48 @@ def count(backend, scaling, sorted, rows, n, k):
     return sum(mode.ops.values()), syncs
 
 
+def count_soft_beam(backend, top):
+    """One soft beam-search update of the demo LSTM (rho 0.8, beam 5, eps 0.1 paper scaling, M 50) on a small
+    batch (8 sentences, target length 8: 7 soft_topk calls): the criterion's loss and its backward."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_soft_beam import build_model_and_sample
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.ops import use_backend
+
+    cfg = dict(arch="lstm", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
+    model, task, sample, _ = build_model_and_sample(cfg)
+    criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=0.8, soft_beam_size=5,
+                                        soft_beam_candidates=50, soft_topk_scaling="paper")
+
+    def update():
+        criterion(model, sample)[0].backward()
+
+    with use_backend(backend):
+        update()  # compiles / warms up
+        with HostOps() as mode:
+            update()
+    syncs = sum(mode.ops[name] for name in SYNCS)
+    print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, beam 5, M 50, paper scaling), "
+          f"backend {backend}: {sum(mode.sources.values())} tensor operations (views left out), {syncs} "
+          "synchronisations\n\n| issued in | operations |\n|---|---|")
+    for where, n in mode.sources.most_common(top):
+        print(f"| {where} | {n} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=6)
     parser.add_argument("--n", type=int, default=40)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--soft-beam", action="store_true", help="count one soft beam-search update instead")
+    parser.add_argument("--backend", default="triton", choices=["torch", "triton", "cpu"],
+                        help="--soft-beam: the soft_topk backend")
+    parser.add_argument("--top", type=int, default=20, help="--soft-beam: rows of the table")
     args = parser.parse_args()
+    if args.soft_beam:
+        count_soft_beam(args.backend, args.top)
+        return
     print(f"one soft_topk call, forward + backward, {args.rows}x{args.n}, k={args.k}")
     print("| backend | scaling | operator | host tensor ops | synchronisations |\n|---|---|---|---|---|")
     try:

@@ -241,6 +241,18 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
                      r"\d\.\d{3} \|", table), table  # a difference and a paired-bootstrap p-value
 
 
+def test_count_host_ops_breaks_a_soft_beam_update_down_by_source():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "count_host_ops.py"), "--soft-beam", "--backend",
+                          "cpu", "--top", "40"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    total = int(re.search(r"backend cpu: (\d+) tensor operations", out.stdout).group(1))
+    rows = {r[1].strip(): int(r[2]) for r in (line.split("|") for line in out.stdout.splitlines())
+            if len(r) == 4 and r[2].strip().isdigit()}
+    # the decoder steps, the relaxed top-k and PyTorch's own backward all show up, and they add up
+    assert {"soft_beam_search.py:soft_beam_search", "soft_beam_search.py:relax", "autograd engine"} <= set(rows)
+    assert sum(rows.values()) <= total and min(rows.values()) > 0
+
+
 def test_count_host_ops_prints_its_table():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "count_host_ops.py"), "--rows", "3", "--n", "12"],
                          capture_output=True, text=True, timeout=600)
