@@ -16,7 +16,9 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   on that BLEU (x0.5 after ``--lr-patience`` epochs without a gain), early stopping after ``--patience``
   epochs without a gain (fairseq's ``--patience``), at most ``--max-epoch`` epochs (a run that reaches it
   is recorded as not converged). Scored: ``checkpoint_best.pt``.
-* ``finetune`` -- from each seed's converged checkpoint (``--finetune-from-model``: fresh optimizer and
+* ``finetune`` -- (after ``pruning``, whose comparison picks M: ``--candidates auto``, the smallest M whose
+  gradient cosine to the exact gradient is >= 0.99 at the run's temperature, else exact) from each seed's
+  converged checkpoint (``--finetune-from-model``: fresh optimizer and
   counters; on a resumed start fairseq continues the fine-tuning's own checkpoint instead) for
   ``--finetune-epochs`` epochs at Adam ``--finetune-lr`` (constant), validated (BLEU) every
   ``--finetune-validate-updates`` updates, best on val: continued teacher forcing, soft beam search in the
@@ -82,6 +84,23 @@ FINETUNE_RUNS = {
     "perturbed": PAPER + ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.1"],
 }
 DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times"]
+# The pruning comparison's setting whose temperature each soft fine-tuning run shares (--candidates auto).
+PRUNING_SETTING = {"soft_beam_paper": "paper", "softmax_k_times": "paper", "soft_beam_topk_bookkeeping": "paper",
+                   "perturbed": "paper", "soft_beam_nats": "topk_nats"}
+# --candidates auto: the smallest M whose gradient is this close (cosine) to the exact one's in the pruning
+# comparison; the exact problem (M = 0) when none is.
+GRAD_COSINE_MIN = 0.99
+
+
+def chosen_candidates(pruning_rows: List[dict], setting: str) -> Optional[int]:
+    """M for a fine-tuning at ``setting`` from the pruning comparison's rows: the smallest measured M > 0 whose
+    gradient cosine to the exact gradient is at least GRAD_COSINE_MIN, else 0 (exact); None if the setting was
+    not measured."""
+    rows = [r for r in pruning_rows if r["setting"] == setting]
+    if not rows:
+        return None
+    good = sorted(r["candidates"] for r in rows if r["candidates"] and r["grad_cosine"] >= GRAD_COSINE_MIN)
+    return good[0] if good else 0
 
 
 def ledger_rows(path: str) -> Dict[str, dict]:
@@ -218,6 +237,21 @@ class Study:
         append(self.ledger, {"key": key, "stage": "pruning", "arch": "rnnsearch", "method": "pruning", "seed": seed,
                              "rows": rows})
 
+    def candidates(self, run: str) -> Optional[int]:
+        """--soft-beam-candidates of fine-tuning ``run``: --candidates, or with ``auto`` the pruning comparison's
+        choice (chosen_candidates) for the run's temperature; None (said why) when there is none yet."""
+        if self.args.candidates != "auto":
+            return int(self.args.candidates)
+        if run not in PRUNING_SETTING:  # teacher forcing: no beam search, M unused
+            return 0
+        pruning = [r for r in ledger_rows(self.ledger).values() if r["stage"] == "pruning"]
+        m = chosen_candidates(pruning[0]["rows"], PRUNING_SETTING[run]) if pruning else None
+        if m is None:
+            print(f"finetune {run}: --candidates auto needs the pruning comparison at setting "
+                  f"{PRUNING_SETTING[run]!r} in the ledger (run --stages pruning first, or give --candidates M), "
+                  "skipped", flush=True)
+        return m
+
     def pretrain(self, seed: int, key: Optional[str] = None) -> None:
         """The converged RNNsearch pre-training of ``seed`` (recorded as ``key``, default its own key)."""
         own = f"pretrain.rnnsearch.seed{seed}"
@@ -249,6 +283,8 @@ class Study:
         if "pretrain" in a.stages:
             for seed in a.seeds:
                 self.pretrain(seed)
+        if "pruning" in a.stages:  # first: it picks the fine-tuning's M (--candidates auto)
+            self.pruning(a.seeds[0])
         if "finetune" in a.stages:
             for seed in a.seeds:
                 done = ledger_rows(self.ledger)
@@ -260,14 +296,15 @@ class Study:
                 if start is None:
                     continue
                 for name in todo:
+                    m = self.candidates(name)
+                    if m is None:
+                        continue
                     extra = RNNSEARCH + ["--finetune-from-model", start, "--criterion",
-                                         "soft_beam_search", "--soft-beam-candidates", str(a.candidates),
+                                         "soft_beam_search", "--soft-beam-candidates", str(m),
                                          *FINETUNE_RUNS[name], *EVAL_BLEU, "--lr", str(a.finetune_lr),
                                          "--lr-scheduler", "fixed", "--max-epoch", str(a.finetune_epochs),
                                          "--validate-interval-updates", str(a.finetune_validate_updates)]
                     self.train(f"finetune.{name}.seed{seed}", "finetune", "rnnsearch", name, seed, extra)
-        if "pruning" in a.stages:
-            self.pruning(a.seeds[0])
         if "attention" in a.stages:
             for seed in a.seeds:
                 for mode in a.attention_modes:
@@ -372,8 +409,12 @@ def report(args) -> str:
         lines += ["", f"Pruning on {r['key']} (L_SOFT alone, same batches, eval mode):", "",
                   "| setting | M | L_SOFT (nats/token) | gradient cosine to exact | gradient norm / exact | "
                   "pruned-mass bound / step | duplicate beams |", "|---|---|---|---|---|---|---|"]
+        picks = {s: chosen_candidates(r["rows"], s) for s in dict.fromkeys(p["setting"] for p in r["rows"])}
         lines += [f"| {p['setting']} | {p['candidates'] or 'exact'} | {p['soft_loss']:.4f} | {p['grad_cosine']:.6f} | "
                   f"{p['grad_norm_ratio']:.4f} | {p['pruned_mass']:.3g} | {p['duplicate_rate']:.2f} |" for p in r["rows"]]
+        lines += ["", f"M for the fine-tunings (--candidates auto: the smallest M whose gradient cosine to the exact "
+                      f"gradient is >= {GRAD_COSINE_MIN}, else exact): "
+                      + ", ".join(f"{s} {m or 'exact'}" for s, m in picks.items())]
     table = "\n".join(lines)
     print(table)
     return table
@@ -398,7 +439,9 @@ def main(argv=None) -> None:
     p.add_argument("--lr-patience", type=int, default=1, help="epochs without a gain before the rate halves")
     p.add_argument("--max-epoch", type=int, default=60, help="cap; a run that reaches it is not converged")
     p.add_argument("--runs", nargs="+", default=DEFAULT_FINETUNE, choices=list(FINETUNE_RUNS))
-    p.add_argument("--candidates", type=int, default=50, help="--soft-beam-candidates of the fine-tuning")
+    p.add_argument("--candidates", default="auto",
+                   help="--soft-beam-candidates of the soft fine-tunings: a number, or auto (the pruning comparison's "
+                        f"choice: the smallest M with gradient cosine >= {GRAD_COSINE_MIN} to exact, else exact)")
     p.add_argument("--finetune-lr", type=float, default=1e-4)
     p.add_argument("--finetune-epochs", type=int, default=2)
     p.add_argument("--finetune-validate-updates", type=int, default=50)

@@ -194,9 +194,10 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
 
+    # (no --candidates: the pruning comparison, run first, picks M for the soft fine-tuning)
     driver("run", *common, "--stages", "pretrain", "finetune", "pruning", "--runs", "tf", "soft_beam_paper",
-           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--candidates", "10", "--pruning-batches",
-           "1", "--extra-args", rnn)
+           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--pruning-batches", "1",
+           "--extra-args", rnn)
     tiny_transformer = ("--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 8 --decoder-embed-dim 8 "
                         "--encoder-ffn-embed-dim 16 --decoder-ffn-embed-dim 16 --encoder-attention-heads 2 "
                         "--decoder-attention-heads 2 --topk-attn-k 2")
@@ -204,11 +205,15 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
            "--extra-args", tiny_transformer)
     with open(tmp_path / "ledger.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [r["key"] for r in rows] == ["pretrain.rnnsearch.seed1", "finetune.tf.seed1",
-                                        "finetune.soft_beam_paper.seed1", "pruning.rnnsearch.seed1",
-                                        "attention.softmax.seed1", "attention.soft_topk.seed1"]
-    assert [(p["setting"], p["candidates"]) for p in rows[3]["rows"]][:3] == [("paper", 50), ("paper", 200),
-                                                                             ("paper", 0)]
+    assert [r["key"] for r in rows] == ["pretrain.rnnsearch.seed1", "pruning.rnnsearch.seed1", "finetune.tf.seed1",
+                                        "finetune.soft_beam_paper.seed1", "attention.softmax.seed1",
+                                        "attention.soft_topk.seed1"]
+    pruning = rows[1]["rows"]
+    assert [(p["setting"], p["candidates"]) for p in pruning][:3] == [("paper", 50), ("paper", 200), ("paper", 0)]
+    # M of the paper-setting fine-tuning: the smallest M whose gradient is within cosine 0.99 of exact, else exact
+    close = [p["candidates"] for p in pruning if p["setting"] == "paper" and p["candidates"] and p["grad_cosine"] >= 0.99]
+    extra = rows[3]["extra"]
+    assert extra[extra.index("--soft-beam-candidates") + 1] == str(min(close, default=0))
     rows = [r for r in rows if r["stage"] != "pruning"]
     pre = rows[0]
     assert pre["val_curve"] and all(0 <= p["bleu"] <= 100 for p in pre["val_curve"])
@@ -237,6 +242,7 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     assert "| finetune.soft_beam_paper - finetune.tf | valid |" in table
     assert "| attention.soft_topk - attention.softmax | test |" in table
     assert "Pruning on pruning.rnnsearch.seed1" in table and "| paper | exact |" in table
+    assert "--candidates auto: the smallest M" in table and f"paper {min(close, default=0) or 'exact'}" in table
     assert re.search(r"\| finetune.soft_beam_paper - finetune.tf \| valid \| [-+]\d+\.\d\d \| [-+]?\d+\.\d\d \| "
                      r"\d\.\d{3} \|", table), table  # a difference and a paired-bootstrap p-value
 
