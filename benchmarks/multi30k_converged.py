@@ -303,7 +303,11 @@ class Study:
                                          "soft_beam_search", "--soft-beam-candidates", str(m),
                                          *FINETUNE_RUNS[name], *EVAL_BLEU, "--lr", str(a.finetune_lr),
                                          "--lr-scheduler", "fixed", "--max-epoch", str(a.finetune_epochs),
-                                         "--validate-interval-updates", str(a.finetune_validate_updates)]
+                                         "--validate-interval-updates", str(a.finetune_validate_updates),
+                                         # a checkpoint at every validation, so that checkpoint_best is the best
+                                         # of all of them (fairseq keeps the best only among saved ones)
+                                         "--save-interval-updates", str(a.finetune_validate_updates),
+                                         "--keep-interval-updates", "1"]
                     self.train(f"finetune.{name}.seed{seed}", "finetune", "rnnsearch", name, seed, extra)
         if "attention" in a.stages:
             for seed in a.seeds:
