@@ -22,7 +22,11 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   counters; on a resumed start fairseq continues the fine-tuning's own checkpoint instead) for
   ``--finetune-epochs`` epochs at Adam ``--finetune-lr`` (constant), validated (BLEU) every
   ``--finetune-validate-updates`` updates, best on val: continued teacher forcing, soft beam search in the
-  paper's setting, softmax-k-times at that temperature (and any of ``FINETUNE_RUNS`` chosen with ``--runs``).
+  paper's setting, softmax-k-times at that temperature, and soft beam search at the sweep's choice (``soft_beam_best``;
+  any of ``FINETUNE_RUNS`` can be chosen with ``--runs``).
+* ``sweep`` -- (before ``finetune``) the fine-tunings of ``SWEEP`` on one seed (``--sweep-seed``): the paper's
+  setting, distinct beams (``--soft-beam-bookkeeping topk``), and distinct beams with the temperature in nats; the
+  one with the highest val BLEU is ``soft_beam_best``, which ``finetune`` then runs on every seed.
 * ``pruning`` -- on the first seed's converged checkpoint, M = 50 / 200 / exact compared on the same batches
   (``soft_beam_pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams), one ledger entry.
 * ``attention`` -- the transformer from scratch with softmax, SOFT top-k and hard top-k encoder-decoder
@@ -80,10 +84,16 @@ FINETUNE_RUNS = {
     "soft_beam_paper": PAPER,
     "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"],
     "soft_beam_topk_bookkeeping": PAPER + ["--soft-beam-bookkeeping", "topk"],
-    "soft_beam_nats": PAPER + ["--soft-topk-scaling", "none", "--soft-topk-epsilon", "1.0"],
+    # the temperature in nats (no scaling) with distinct beams: the pruning comparison's second setting
+    "soft_beam_nats": PAPER + ["--soft-beam-bookkeeping", "topk", "--soft-topk-scaling", "none",
+                               "--soft-topk-epsilon", "1.0"],
     "perturbed": PAPER + ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.1"],
 }
-DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times"]
+# Item 2 (c): the soft beam-search settings swept on one seed (--sweep-seed); ``soft_beam_best`` in --runs is the
+# one of them with the highest val BLEU there (the earlier in this order on a tie), chosen on val only.
+SWEEP = ["soft_beam_paper", "soft_beam_topk_bookkeeping", "soft_beam_nats"]
+BEST = "soft_beam_best"
+DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times", BEST]
 # The pruning comparison's setting whose temperature each soft fine-tuning run shares (--candidates auto).
 PRUNING_SETTING = {"soft_beam_paper": "paper", "softmax_k_times": "paper", "soft_beam_topk_bookkeeping": "paper",
                    "perturbed": "paper", "soft_beam_nats": "topk_nats"}
@@ -101,6 +111,16 @@ def chosen_candidates(pruning_rows: List[dict], setting: str) -> Optional[int]:
         return None
     good = sorted(r["candidates"] for r in rows if r["candidates"] and r["grad_cosine"] >= GRAD_COSINE_MIN)
     return good[0] if good else 0
+
+
+def sweep_choice(rows: Dict[str, dict], seed: int) -> Optional[str]:
+    """The SWEEP setting with the highest val BLEU among the fine-tunings of ``seed`` (the earlier in SWEEP on a
+    tie); None until every SWEEP setting is in the ledger at that seed."""
+    val = {name: rows[f"finetune.{name}.seed{seed}"]["bleu"]["valid"] for name in SWEEP
+           if f"finetune.{name}.seed{seed}" in rows}
+    if len(val) < len(SWEEP):
+        return None
+    return max(SWEEP, key=lambda name: (val[name], -SWEEP.index(name)))
 
 
 def ledger_rows(path: str) -> Dict[str, dict]:
@@ -142,6 +162,30 @@ def val_curve(log_path: str) -> List[dict]:
                     curve.append({"epoch": int(re.search(r"epoch (\d+)", line).group(1)),
                                   "updates": int(fields["num_updates"]), "bleu": float(fields["bleu"])})
     return curve
+
+
+def best_validation(curve: List[dict]) -> Optional[dict]:
+    """The validation fairseq keeps as ``checkpoint_best.pt`` when every validation is saved: the highest BLEU,
+    the *last* of equal ones (fairseq's ``is_better`` is ``>=`` for a maximised metric)."""
+    best = None
+    for point in curve:
+        if best is None or point["bleu"] >= best["bleu"]:
+            best = point
+    return best
+
+
+def checkpoint_updates(path: str) -> int:
+    """The number of updates a fairseq checkpoint was saved at."""
+    import torch  # (only here: the rest of the driver runs without torch)
+
+    state = torch.load(path, map_location="cpu", weights_only=False)  # fairseq's own format: configs, not weights only
+    return int(state["optimizer_history"][-1]["num_updates"])
+
+
+def saved_updates(log_path: str) -> List[int]:
+    """The update counts at which a fairseq-train log saved a checkpoint."""
+    with open(log_path, encoding="utf-8") as f:
+        return [int(u) for u in re.findall(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", f.read())]
 
 
 def stopped_early(log_path: str) -> bool:
@@ -203,10 +247,20 @@ class Study:
         seconds = time.time() - start
         logs = sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
         curve = [p for f in logs for p in val_curve(os.path.join(save, f))]
-        best = max(curve, key=lambda p: p["bleu"]) if curve else None
+        best = best_validation(curve)
+        scored = checkpoint_updates(os.path.join(save, "checkpoint_best.pt"))
+        # checkpoint_best is the best of the *saved* checkpoints: the selection rule holds when every validation
+        # was saved (said loudly, and kept in the row, when not)
+        saved = {u for f in logs for u in saved_updates(os.path.join(save, f))}
+        unsaved = [p["updates"] for p in curve if p["updates"] not in saved]
+        if unsaved or (best and scored != best["updates"]):
+            print(f"{key}: WARNING checkpoint_best.pt is from update {scored}, the best validation (BLEU "
+                  f"{best and best['bleu']}) at update {best and best['updates']}; validations not saved at updates "
+                  f"{unsaved}", flush=True)
         row = {"key": key, "stage": stage, "arch": arch, "method": method, "seed": seed,
                "updates": curve[-1]["updates"] if curve else None, "epochs": curve[-1]["epoch"] if curve else None,
-               "best_updates": best and best["updates"], "converged": stopped_early(log) if stage != "finetune" else None,
+               "best_updates": best and best["updates"], "scored_updates": scored, "unsaved_validations": unsaved,
+               "converged": stopped_early(log) if stage != "finetune" else None,
                # wall seconds of this start only; "resumed": an interrupted earlier start also trained (its log
                # is kept beside this one's)
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
@@ -252,6 +306,48 @@ class Study:
                   "skipped", flush=True)
         return m
 
+    def run_name(self, name: str) -> Optional[str]:
+        """A --runs entry as a FINETUNE_RUNS name: ``soft_beam_best`` is the sweep's choice (None, said why,
+        before the sweep is complete)."""
+        if name != BEST:
+            return name
+        seed = self.args.sweep_seed if self.args.sweep_seed is not None else self.args.seeds[0]
+        chosen = sweep_choice(ledger_rows(self.ledger), seed)
+        if chosen is None:
+            print(f"finetune {BEST}: the sweep ({', '.join(SWEEP)}) is not complete at seed {seed} in the ledger "
+                  "(run --stages sweep first), skipped", flush=True)
+        else:
+            print(f"finetune {BEST}: {chosen} (the sweep's best val BLEU at seed {seed})", flush=True)
+        return chosen
+
+    def finetune(self, seed: int, names: List[str]) -> None:
+        """The fine-tunings ``names`` (FINETUNE_RUNS) from the converged checkpoint of ``seed``, those not in the
+        ledger yet: equal budget, optimizer and schedule; scored at the best validation."""
+        a = self.args
+        done = ledger_rows(self.ledger)
+        names = list(dict.fromkeys(names))  # (soft_beam_best may be one of the others)
+        for name in names:
+            if f"finetune.{name}.seed{seed}" in done:
+                print(f"finetune.{name}.seed{seed}: in the ledger, skipped", flush=True)
+        todo = [name for name in names if f"finetune.{name}.seed{seed}" not in done]
+        start = self.pretrained(seed) if todo else None  # (which may train it again: --retrain-missing)
+        if start is None:
+            return
+        for name in todo:
+            m = self.candidates(name)
+            if m is None:
+                continue
+            extra = RNNSEARCH + ["--finetune-from-model", start, "--criterion", "soft_beam_search",
+                                 "--soft-beam-candidates", str(m), *FINETUNE_RUNS[name], *EVAL_BLEU,
+                                 "--lr", str(a.finetune_lr), "--lr-scheduler", "fixed",
+                                 "--max-epoch", str(a.finetune_epochs),
+                                 "--validate-interval-updates", str(a.finetune_validate_updates),
+                                 # a checkpoint at every validation, so that checkpoint_best is the best of all of
+                                 # them (fairseq keeps the best only among saved ones)
+                                 "--save-interval-updates", str(a.finetune_validate_updates),
+                                 "--keep-interval-updates", "1"]
+            self.train(f"finetune.{name}.seed{seed}", "finetune", "rnnsearch", name, seed, extra)
+
     def pretrain(self, seed: int, key: Optional[str] = None) -> None:
         """The converged RNNsearch pre-training of ``seed`` (recorded as ``key``, default its own key)."""
         own = f"pretrain.rnnsearch.seed{seed}"
@@ -285,30 +381,11 @@ class Study:
                 self.pretrain(seed)
         if "pruning" in a.stages:  # first: it picks the fine-tuning's M (--candidates auto)
             self.pruning(a.seeds[0])
+        if "sweep" in a.stages:
+            self.finetune(a.sweep_seed if a.sweep_seed is not None else a.seeds[0], SWEEP)
         if "finetune" in a.stages:
             for seed in a.seeds:
-                done = ledger_rows(self.ledger)
-                for name in a.runs:
-                    if f"finetune.{name}.seed{seed}" in done:
-                        print(f"finetune.{name}.seed{seed}: in the ledger, skipped", flush=True)
-                todo = [name for name in a.runs if f"finetune.{name}.seed{seed}" not in done]
-                start = self.pretrained(seed) if todo else None  # (which may train it again: --retrain-missing)
-                if start is None:
-                    continue
-                for name in todo:
-                    m = self.candidates(name)
-                    if m is None:
-                        continue
-                    extra = RNNSEARCH + ["--finetune-from-model", start, "--criterion",
-                                         "soft_beam_search", "--soft-beam-candidates", str(m),
-                                         *FINETUNE_RUNS[name], *EVAL_BLEU, "--lr", str(a.finetune_lr),
-                                         "--lr-scheduler", "fixed", "--max-epoch", str(a.finetune_epochs),
-                                         "--validate-interval-updates", str(a.finetune_validate_updates),
-                                         # a checkpoint at every validation, so that checkpoint_best is the best
-                                         # of all of them (fairseq keeps the best only among saved ones)
-                                         "--save-interval-updates", str(a.finetune_validate_updates),
-                                         "--keep-interval-updates", "1"]
-                    self.train(f"finetune.{name}.seed{seed}", "finetune", "rnnsearch", name, seed, extra)
+                self.finetune(seed, [n for n in map(self.run_name, a.runs) if n is not None])
         if "attention" in a.stages:
             for seed in a.seeds:
                 for mode in a.attention_modes:
@@ -409,6 +486,12 @@ def report(args) -> str:
                 lines.append(f"| {o['key']} | {o['epochs']} / {r['epochs']} | {o['best_updates']} / {r['best_updates']} "
                              f"| {o['bleu']['valid']:.2f} / {r['bleu']['valid']:.2f} "
                              f"| {o['bleu']['test']:.2f} / {r['bleu']['test']:.2f} |")
+    for seed in sorted({r["seed"] for r in rows.values() if r["stage"] == "finetune"}):
+        chosen = sweep_choice(rows, seed)
+        if chosen is not None:
+            lines += ["", f"Sweep at seed {seed} (val BLEU): " + ", ".join(
+                f"{name} {rows[f'finetune.{name}.seed{seed}']['bleu']['valid']:.2f}" for name in SWEEP)
+                + f" -> {BEST} = {chosen}"]
     for r in pruning:
         lines += ["", f"Pruning on {r['key']} (L_SOFT alone, same batches, eval mode):", "",
                   "| setting | M | L_SOFT (nats/token) | gradient cosine to exact | gradient norm / exact | "
@@ -434,15 +517,19 @@ def main(argv=None) -> None:
     p.add_argument("--ledger", help="the ledger (JSON lines; default WORKDIR/ledger.jsonl)")
     p.add_argument("--prepared", help="prepared data of another workdir (its data/), instead of preparing anew")
     p.add_argument("--bpe-size", type=int, default=8000)
-    p.add_argument("--stages", nargs="+", default=["pretrain", "finetune", "pruning", "attention"],
-                   choices=["pretrain", "finetune", "pruning", "attention"])
+    p.add_argument("--stages", nargs="+", default=["pretrain", "pruning", "sweep", "finetune", "attention"],
+                   choices=["pretrain", "pruning", "sweep", "finetune", "attention"],
+                   help="(run in this order whatever order they are given in)")
+    p.add_argument("--sweep-seed", type=int, help=f"the seed the sweep ({', '.join(SWEEP)}) fine-tunes, whose val "
+                                                  f"BLEU picks {BEST} (default: the first of --seeds)")
     p.add_argument("--pruning-batches", type=int, default=2, help="validation batches of the pruning comparison")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the from-scratch runs")
     p.add_argument("--patience", type=int, default=5, help="early stopping: epochs without a val BLEU gain")
     p.add_argument("--lr-patience", type=int, default=1, help="epochs without a gain before the rate halves")
     p.add_argument("--max-epoch", type=int, default=60, help="cap; a run that reaches it is not converged")
-    p.add_argument("--runs", nargs="+", default=DEFAULT_FINETUNE, choices=list(FINETUNE_RUNS))
+    p.add_argument("--runs", nargs="+", default=DEFAULT_FINETUNE, choices=[*FINETUNE_RUNS, BEST],
+                   help=f"the fine-tunings ({BEST}: the sweep's choice on val)")
     p.add_argument("--candidates", default="auto",
                    help="--soft-beam-candidates of the soft fine-tunings: a number, or auto (the pruning comparison's "
                         f"choice: the smallest M with gradient cosine >= {GRAD_COSINE_MIN} to exact, else exact)")

@@ -41,8 +41,9 @@ def measure(model, samples, d, beam, candidates, options):
         ni = sample["net_input"]
         out = search.soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(),
                                       eos=d.eos(), beam=beam, candidates=candidates, **options)
-        out.nll.sum().backward()
-        loss += float(out.nll.sum())
+        total = out.nll.sum()
+        total.backward()
+        loss += total.item()
         tokens += int(sample["ntokens"])
         pruned += float(out.pruned_mass.sum())
         steps += out.nll.numel() * max(sample["target"].shape[1] - 1, 1)

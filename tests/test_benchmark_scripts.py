@@ -1,4 +1,5 @@
 """The benchmark scripts run end to end (tiny sizes or a tiny checkpoint; their figures come from real runs)."""
+import argparse
 import gzip
 import json
 import os
@@ -170,6 +171,30 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(script, tmp_path):
     assert out.returncode == 0 and "no CUDA device" in out.stdout, out.stdout + out.stderr
 
 
+def test_converged_study_picks_the_sweeps_best_on_val_once_the_sweep_is_complete(tmp_path, capsys):
+    sys.path.insert(0, BENCH)
+    import multi30k_converged as converged
+
+    ledger = tmp_path / "ledger.jsonl"
+    args = argparse.Namespace(ledger=str(ledger), workdir=str(tmp_path), prepared=None, sweep_seed=2, seeds=[1, 2, 3])
+    study = converged.Study(args)
+    val = {"soft_beam_paper": 40.0, "soft_beam_topk_bookkeeping": 41.0, "soft_beam_nats": 41.0}
+    assert study.run_name("tf") == "tf"
+    for i, (name, bleu) in enumerate(val.items()):
+        assert study.run_name(converged.BEST) is None  # the sweep is not complete yet
+        assert "not complete at seed 2" in capsys.readouterr().out
+        converged.append(str(ledger), {"key": f"finetune.{name}.seed2", "stage": "finetune", "seed": 2,
+                                       "bleu": {"valid": bleu, "test": 50.0 - i}})
+    converged.append(str(ledger), {"key": "finetune.soft_beam_nats.seed1", "stage": "finetune", "seed": 1,
+                                   "bleu": {"valid": 99.0, "test": 0.0}})  # another seed: not the sweep's
+    # the best val BLEU at the sweep seed, the earlier in SWEEP on a tie; test BLEU plays no part
+    assert study.run_name(converged.BEST) == "soft_beam_topk_bookkeeping"
+    rows = converged.ledger_rows(str(ledger))
+    assert converged.sweep_choice(rows, 1) is None
+    assert converged.sweep_choice({**rows, "finetune.soft_beam_paper.seed2": {"bleu": {"valid": 41.5}}}, 2) \
+        == "soft_beam_paper"
+
+
 def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     """The converged study's driver end to end on a toy corpus at tiny sizes: pre-training with validation
     BLEU and early stopping, fine-tuning from its best checkpoint, one attention run, the ledger (a second
@@ -194,10 +219,12 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
 
-    # (no --candidates: the pruning comparison, run first, picks M for the soft fine-tuning)
-    driver("run", *common, "--stages", "pretrain", "finetune", "pruning", "--runs", "tf", "soft_beam_paper",
+    driver("run", *common, "--stages", "pretrain", "--extra-args", rnn)
+    # (no --candidates: the pruning comparison, run first, picks M for the soft fine-tuning; batches of 16
+    # sentences: 8 updates an epoch, so that most validations fall inside the epoch)
+    driver("run", *common, "--stages", "finetune", "pruning", "--runs", "tf", "soft_beam_paper",
            "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--pruning-batches", "1",
-           "--extra-args", rnn)
+           "--extra-args", rnn + " --batch-size 16")
     tiny_transformer = ("--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 8 --decoder-embed-dim 8 "
                         "--encoder-ffn-embed-dim 16 --decoder-ffn-embed-dim 16 --encoder-attention-heads 2 "
                         "--decoder-attention-heads 2 --topk-attn-k 2")
@@ -215,6 +242,11 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     extra = rows[3]["extra"]
     assert extra[extra.index("--soft-beam-candidates") + 1] == str(min(close, default=0))
     rows = [r for r in rows if r["stage"] != "pruning"]
+    for tuned in rows[1:3]:  # the checkpoint scored is the best of all validations, inside the epoch as well
+        assert [p["updates"] for p in tuned["val_curve"]] == [2, 4, 6, 8] and tuned["unsaved_validations"] == []
+        best = max(p["bleu"] for p in tuned["val_curve"])
+        assert tuned["scored_updates"] == tuned["best_updates"] == \
+            max(p["updates"] for p in tuned["val_curve"] if p["bleu"] == best)  # fairseq: the last of ties
     pre = rows[0]
     assert pre["val_curve"] and all(0 <= p["bleu"] <= 100 for p in pre["val_curve"])
     assert pre["epochs"] <= 2 and isinstance(pre["converged"], bool)

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from softtopk_fairseq.ops.backends import valid_entries
 from softtopk_fairseq.ops.soft_topk import effective_epsilon
 
 
@@ -45,9 +46,7 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0
     if not 1 <= k <= n:
         raise ValueError(f"softmax_k_times: k={k} must be in 1..{n} (the size of dim {dim})")
     x = scores.movedim(dim, -1)
-    valid = x > -torch.inf
-    if mask is not None:
-        valid = valid & mask.expand(scores.shape).movedim(dim, -1)
+    valid = valid_entries(x, None if mask is None else mask.expand(scores.shape).movedim(dim, -1))
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     T = effective_epsilon(compute, k, epsilon=epsilon, sorted=True, scaling=scaling, mask=valid)
     # -inf scores are zeroed before the division: d(x / T)/dT = -x / T^2 would be inf there, and inf * 0 = NaN.
