@@ -310,12 +310,17 @@ class Study:
                   "skipped", flush=True)
         return m
 
+    @property
+    def sweep_seed(self) -> int:
+        """The seed the sweep fine-tunes and ``soft_beam_best`` is chosen on: --sweep-seed, else the first seed."""
+        return self.args.sweep_seed if self.args.sweep_seed is not None else self.args.seeds[0]
+
     def run_name(self, name: str) -> Optional[str]:
         """A --runs entry as a FINETUNE_RUNS name: ``soft_beam_best`` is the sweep's choice (None, said why,
         before the sweep is complete)."""
         if name != BEST:
             return name
-        seed = self.args.sweep_seed if self.args.sweep_seed is not None else self.args.seeds[0]
+        seed = self.sweep_seed
         chosen = sweep_choice(ledger_rows(self.ledger), seed)
         if chosen is None:
             print(f"finetune {BEST}: the sweep ({', '.join(SWEEP)}) is not complete at seed {seed} in the ledger "
@@ -386,7 +391,7 @@ class Study:
         if "pruning" in a.stages:  # first: it picks the fine-tuning's M (--candidates auto)
             self.pruning(a.seeds[0])
         if "sweep" in a.stages:
-            self.finetune(a.sweep_seed if a.sweep_seed is not None else a.seeds[0], SWEEP)
+            self.finetune(self.sweep_seed, SWEEP)
         if "finetune" in a.stages:
             for seed in a.seeds:
                 self.finetune(seed, [n for n in map(self.run_name, a.runs) if n is not None])
