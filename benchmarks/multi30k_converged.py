@@ -35,7 +35,8 @@ already in the ledger is skipped, and an interrupted one continues from its own 
 Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, its hypotheses kept beside
 the ledger (``LEDGER.hyps/KEY.SUBSET.fr.gz``, written before the ledger row) for the paired bootstrap of
 ``report``, so that the report needs no workdir of earlier sessions. Ledger record: key, stage, arch, method,
-seed, updates, epochs, converged, the val BLEU curve, val/test BLEU, wall seconds, and the exact extra arguments.
+seed, updates, epochs, converged, the val BLEU curve, val/test BLEU, wall seconds (``train_s``: the start that
+finished; ``train_s_starts``: each start's, from its log), and the exact extra arguments.
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
 has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
@@ -43,6 +44,7 @@ place (the runs are deterministic) and records that run too, as ``KEY.rerun``, w
 original; without the flag those fine-tunings are skipped with a message saying so.
 """
 import argparse
+import datetime
 import gzip
 import json
 import os
@@ -155,17 +157,32 @@ def keep_hypotheses(ledger: str, key: str, out: str) -> None:
             g.write(f.read())
 
 
-def val_curve(log_path: str) -> List[dict]:
-    """(epoch, updates, val BLEU) of every validation in a fairseq-train log."""
-    curve = []
-    with open(log_path, encoding="utf-8") as f:
-        for line in f:
-            if "valid on 'valid' subset" in line:
-                fields = dict(re.findall(r"\| (\w+) ([-\d.e+]+)", line))
-                if "bleu" in fields:
-                    curve.append({"epoch": int(re.search(r"epoch (\d+)", line).group(1)),
-                                  "updates": int(fields["num_updates"]), "bleu": float(fields["bleu"])})
-    return curve
+class TrainLog:
+    """What the driver reads from one fairseq-train log (one start of a run), in one pass: every validation's
+    (epoch, updates, val BLEU), the update counts at which a checkpoint was saved, whether fairseq stopped early,
+    and the seconds from its first to its last timestamped line (pauses included)."""
+
+    TIMESTAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|")
+
+    def __init__(self, log_path: str):
+        self.curve: List[dict] = []
+        self.saved: List[int] = []
+        self.stopped_early = False
+        stamps = []
+        with open(log_path, encoding="utf-8") as f:
+            for line in f:
+                stamp = self.TIMESTAMP.match(line)
+                if stamp:
+                    stamps.append(stamp.group(1))
+                if "valid on 'valid' subset" in line:
+                    fields = dict(re.findall(r"\| (\w+) ([-\d.e+]+)", line))
+                    if "bleu" in fields:
+                        self.curve.append({"epoch": int(re.search(r"epoch (\d+)", line).group(1)),
+                                           "updates": int(fields["num_updates"]), "bleu": float(fields["bleu"])})
+                self.saved += [int(u) for u in re.findall(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", line)]
+                self.stopped_early |= "early stop since valid performance hasn't improved" in line
+        parse = lambda stamp: datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")
+        self.seconds = (parse(stamps[-1]) - parse(stamps[0])).total_seconds() if stamps else 0.0
 
 
 def best_validation(curve: List[dict]) -> Optional[dict]:
@@ -184,17 +201,6 @@ def checkpoint_updates(path: str) -> int:
 
     state = torch.load(path, map_location="cpu", weights_only=False)  # fairseq's own format: configs, not weights only
     return int(state["optimizer_history"][-1]["num_updates"])
-
-
-def saved_updates(log_path: str) -> List[int]:
-    """The update counts at which a fairseq-train log saved a checkpoint."""
-    with open(log_path, encoding="utf-8") as f:
-        return [int(u) for u in re.findall(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", f.read())]
-
-
-def stopped_early(log_path: str) -> bool:
-    with open(log_path, encoding="utf-8") as f:
-        return any("early stop since valid performance hasn't improved" in line for line in f)
 
 
 def evaluate(data: str, checkpoint: str, out: str) -> Dict[str, float]:
@@ -249,13 +255,14 @@ class Study:
         start = time.time()
         run_logged(cmd, log, env={**MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}, echo=self.args.verbose)
         seconds = time.time() - start
-        logs = sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
-        curve = [p for f in logs for p in val_curve(os.path.join(save, f))]
+        logs = [TrainLog(os.path.join(save, f))
+                for f in sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))]
+        curve = [p for t in logs for p in t.curve]
         best = best_validation(curve)
         scored = checkpoint_updates(os.path.join(save, "checkpoint_best.pt"))
         # checkpoint_best is the best of the *saved* checkpoints: the selection rule holds when every validation
         # was saved (said loudly, and kept in the row, when not)
-        saved = {u for f in logs for u in saved_updates(os.path.join(save, f))}
+        saved = {u for t in logs for u in t.saved}
         unsaved = [p["updates"] for p in curve if p["updates"] not in saved]
         if unsaved or (best and scored != best["updates"]):
             print(f"{key}: WARNING checkpoint_best.pt is from update {scored}, the best validation (BLEU "
@@ -264,10 +271,11 @@ class Study:
         row = {"key": key, "stage": stage, "arch": arch, "method": method, "seed": seed,
                "updates": curve[-1]["updates"] if curve else None, "epochs": curve[-1]["epoch"] if curve else None,
                "best_updates": best and best["updates"], "scored_updates": scored, "unsaved_validations": unsaved,
-               "converged": stopped_early(log) if stage != "finetune" else None,
+               "converged": logs[-1].stopped_early if stage != "finetune" else None,
                # wall seconds of this start only; "resumed": an interrupted earlier start also trained (its log
-               # is kept beside this one's)
+               # is kept beside this one's); "train_s_starts": every start's first-to-last log line, pauses included
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
+               "train_s_starts": [round(t.seconds, 1) for t in logs],
                "bleu": evaluate(self.data, os.path.join(save, "checkpoint_best.pt"), save),
                "extra": extra + shlex.split(self.args.extra_args)}
         keep_hypotheses(self.ledger, key, save)
@@ -439,6 +447,12 @@ def mean_std(values: List[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
+def wall_seconds(row: dict) -> float:
+    """A run's training seconds over all its starts when the row has them (rows before ``train_s_starts``: the
+    last start only)."""
+    return sum(row["train_s_starts"]) if row.get("train_s_starts") else row["train_s"]
+
+
 def report(args) -> str:
     ledger = args.ledger or os.path.join(args.workdir, "ledger.jsonl")
     rows = ledger_rows(ledger)
@@ -457,7 +471,7 @@ def report(args) -> str:
                      f"{statistics.mean(r['best_updates'] or 0 for r in rs):.0f} / "
                      f"{statistics.mean(r['updates'] or 0 for r in rs):.0f} | "
                      f"{mean_std([r['bleu']['valid'] for r in rs])} | {mean_std([r['bleu']['test'] for r in rs])} | "
-                     f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
+                     f"{statistics.mean(wall_seconds(r) for r in rs):.0f} |")
     # Paired comparisons against the baseline of the same seed, with sacrebleu's paired bootstrap.
     lines += ["", "| comparison | subset | per-seed difference | mean ± std | paired-bs p per seed |",
               "|---|---|---|---|---|"]

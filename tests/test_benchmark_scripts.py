@@ -252,6 +252,7 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     assert pre["epochs"] <= 2 and isinstance(pre["converged"], bool)
     assert pre["converged"] or pre["epochs"] == 2  # stopped by --patience, or by the --max-epoch cap
     assert all(set(r["bleu"]) == {"valid", "test"} for r in rows)
+    assert all(len(r["train_s_starts"]) == 1 and 0 <= r["train_s_starts"][0] <= r["train_s"] + 1 for r in rows)
     kept = tmp_path / "ledger.hyps"
     for r in rows:
         for subset in ("valid", "test"):
@@ -300,3 +301,32 @@ def test_count_host_ops_prints_its_table():
     counts = {(r[1].strip(), r[2].strip(), r[3].strip()): int(r[4]) for r in rows}
     # the C backend's unsorted call is a handful of host operations, the PyTorch path's hundreds
     assert counts[("cpu", "paper", "unsorted")] < counts[("torch", "paper", "unsorted")] / 5
+
+
+def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
+    """Validations, saved checkpoints, early stopping and the start's seconds from fairseq-train's own lines;
+    a run resumed once has one log per start, and the report's wall time adds them up."""
+    sys.path.insert(0, BENCH)
+    import multi30k_converged as converged
+
+    log = tmp_path / "train.1.log"
+    log.write_text(
+        "2026-11-23 23:22:50 | INFO | fairseq_cli.train | {'_name': None}\n"
+        "  a continuation line with no timestamp\n"
+        "2026-11-23 23:24:16 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 3.542 | bleu 52.33 | "
+        "wps 811.1 | num_updates 50\n"
+        "2026-11-23 23:24:17 | INFO | fairseq.checkpoint_utils | Saved checkpoint d/checkpoint_1_50.pt "
+        "(epoch 1 @ 50 updates, score 52.33) (writing took 0.19 seconds)\n"
+        "2026-11-23 23:30:01 | INFO | valid | epoch 002 | valid on 'valid' subset | loss 3.5 | bleu 52.1 | "
+        "num_updates 100\n"
+        "2026-11-24 00:01:00 | INFO | fairseq_cli.train | early stop since valid performance hasn't improved "
+        "for last 5 runs\n")
+    read = converged.TrainLog(str(log))
+    assert read.curve == [{"epoch": 1, "updates": 50, "bleu": 52.33}, {"epoch": 2, "updates": 100, "bleu": 52.1}]
+    assert read.saved == [50] and read.stopped_early
+    assert read.seconds == 38 * 60 + 10  # across midnight
+    empty = tmp_path / "train.2.log"
+    empty.write_text("")
+    assert converged.TrainLog(str(empty)).seconds == 0 and not converged.TrainLog(str(empty)).stopped_early
+    assert converged.wall_seconds({"train_s": 5.0, "train_s_starts": [100.0, 7.0]}) == 107.0
+    assert converged.wall_seconds({"train_s": 5.0}) == 5.0  # rows written before the field existed
