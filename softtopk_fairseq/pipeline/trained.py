@@ -81,6 +81,21 @@ class Workdir:
             codec = dict(bpe="sentencepiece", sentencepiece_model=self.bpe_model)
         return dict(codec, required_batch_size_multiple=1, batch_size=DECODE_BATCH, max_tokens=None)
 
+    def hub(self, checkpoint: str, device: str = "cpu"):
+        """:func:`from_workdir` for this workdir."""
+        self.check_checkpoint(checkpoint)  # before importing fairseq: a wrong name fails fast, quietly
+
+        from fairseq import hub_utils
+
+        import softtopk_fairseq
+
+        loaded = hub_utils.from_pretrained(
+            os.path.dirname(self.checkpoint_path(checkpoint)), checkpoint_file="checkpoint_last.pt",
+            data_name_or_path=os.path.abspath(self.bin_dir), user_dir=softtopk_fairseq.user_dir(),
+            **self.hub_overrides())
+        hub = hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
+        return hub.to(device).eval()
+
 
 def from_workdir(path: str, checkpoint: str = "tf", device: str = "cpu"):
     """fairseq's ``GeneratorHubInterface`` for ``checkpoint`` (``tf``, ``ft_tf``, ``ft_soft_beam``,
@@ -88,19 +103,7 @@ def from_workdir(path: str, checkpoint: str = "tf", device: str = "cpu"):
     ``from_workdir("work/demo").translate("a man is riding a horse .", beam=5)``.
     Note the hub's own ``translate`` defaults: pass ``**MAX_LEN`` to decode exactly as the pipeline does
     (:func:`translate_lines` does)."""
-    wd = Workdir(path)
-    wd.check_checkpoint(checkpoint)  # before importing fairseq: a wrong name fails fast, quietly
-
-    from fairseq import hub_utils
-
-    import softtopk_fairseq
-
-    loaded = hub_utils.from_pretrained(
-        os.path.dirname(wd.checkpoint_path(checkpoint)), checkpoint_file="checkpoint_last.pt",
-        data_name_or_path=os.path.abspath(wd.bin_dir), user_dir=softtopk_fairseq.user_dir(),
-        **wd.hub_overrides())
-    hub = hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
-    return hub.to(device).eval()
+    return Workdir(path).hub(checkpoint, device)
 
 
 def translate_lines(hub, lines: Sequence[str], beam: int = 5) -> List[str]:
@@ -130,11 +133,12 @@ def translate(path: str, checkpoint: str, beam: int, source: BinaryIO, sink: Tex
     """The ``translate`` subcommand: lines of ``source`` to ``sink``, one out per line in; returns the
     number of lines. The input is read (and checked) before the model is loaded."""
     lines = read_utf8_lines(source, "standard input")
-    hub = from_workdir(path, checkpoint)
+    wd = Workdir(path)
+    hub = wd.hub(checkpoint)
     for hyp in translate_lines(hub, lines, beam):
         sink.write(hyp + "\n")
     sink.flush()
-    print(f"translated {len(lines)} lines with {Workdir(path).checkpoint_path(checkpoint)} (beam {beam})",
+    print(f"translated {len(lines)} lines with {wd.checkpoint_path(checkpoint)} (beam {beam})",
           file=sys.stderr)
     return len(lines)
 
@@ -153,7 +157,7 @@ def score(path: str, tests: Sequence[str], checkpoints: Optional[Sequence[str]],
                          flag="--test")
     rows = []
     for name in names:
-        hub = from_workdir(path, name)
+        hub = wd.hub(name)
         for prefix in tests:
             sources = text.read_lines(f"{prefix}.{wd.src}")
             refs = text.read_lines(f"{prefix}.{wd.tgt}")
