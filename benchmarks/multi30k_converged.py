@@ -168,12 +168,12 @@ class TrainLog:
         self.curve: List[dict] = []
         self.saved: List[int] = []
         self.stopped_early = False
-        stamps = []
+        first = last = None  # the first and last timestamps
         with open(log_path, encoding="utf-8") as f:
             for line in f:
                 stamp = self.TIMESTAMP.match(line)
                 if stamp:
-                    stamps.append(stamp.group(1))
+                    first, last = first or stamp.group(1), stamp.group(1)
                 if "valid on 'valid' subset" in line:
                     fields = dict(re.findall(r"\| (\w+) ([-\d.e+]+)", line))
                     if "bleu" in fields:
@@ -182,7 +182,7 @@ class TrainLog:
                 self.saved += [int(u) for u in re.findall(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", line)]
                 self.stopped_early |= "early stop since valid performance hasn't improved" in line
         parse = lambda stamp: datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")
-        self.seconds = (parse(stamps[-1]) - parse(stamps[0])).total_seconds() if stamps else 0.0
+        self.seconds = (parse(last) - parse(first)).total_seconds() if first else 0.0
 
 
 def best_validation(curve: List[dict]) -> Optional[dict]:
