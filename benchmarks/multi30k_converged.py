@@ -40,8 +40,9 @@ finished; ``train_s_starts``: each start's, from its log), and the exact extra a
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
 has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
-place (the runs are deterministic) and records that run too, as ``KEY.rerun``, which ``report`` sets beside the
-original; without the flag those fine-tunings are skipped with a message saying so.
+place and records that run too, as ``KEY.rerun``, which ``report`` sets beside the original (a rerun need not
+reproduce it: seed 1's matched the original's first five epochs to the digit, not the epochs after the original
+was stopped and continued -- docs/results.md); without the flag those fine-tunings are skipped with a message saying so.
 """
 import argparse
 import datetime
