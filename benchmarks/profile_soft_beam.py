@@ -3,6 +3,9 @@ the demo-size model on the bench_soft_beam batch, the top operators by self CPU 
 the number of host-device synchronisations (``aten::_local_scalar_dense``: ``.item()``, ``bool(tensor)``).
 
     python benchmarks/profile_soft_beam.py --device cuda [--arch lstm] [--rho 0.8] [--candidates 50]
+
+With ``--cprofile`` it also prints where the *host* time of an update goes by Python function (cProfile,
+cumulative, our package and fairseq only) -- on a GPU the update is bound by the host issuing operations.
 """
 import argparse
 import os
@@ -18,6 +21,7 @@ def main():
     p.add_argument("--rho", type=float, default=0.8)
     p.add_argument("--candidates", type=int, default=50)
     p.add_argument("--rows", type=int, default=15, help="operators listed per table")
+    p.add_argument("--cprofile", action="store_true", help="also the host time by Python function (cProfile)")
     add_batch_arguments(p, repeats=1)
     a = p.parse_args()
     import torch
@@ -39,6 +43,17 @@ def main():
     print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows))
     if device.type == "cuda":
         print(events.table(sort_by="self_device_time_total", row_limit=a.rows))
+    if a.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        one_update(model, criterion, sample, optimizer, device)
+        profiler.disable()
+        stats = pstats.Stats(profiler).sort_stats("cumulative")
+        print("host time by function (cProfile, cumulative seconds; one update):")
+        stats.print_stats(r"softtopk_fairseq|fairseq/models|fairseq/criterions|torch/autograd|optim", 2 * a.rows)
 
 
 if __name__ == "__main__":

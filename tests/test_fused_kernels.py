@@ -158,6 +158,29 @@ def test_backward_matches_torch_path(backend, sorted):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scaling", ["none", "paper"])
+def test_sorted_ties_and_excluded_entries_among_the_top_scores(backend, scaling):
+    """Tied scores at and around the k-th largest (the centre and the starting thresholds come from the
+    top-(k+1), which the Triton kernel finds one distinct value per pass), -inf among them, a row whose valid
+    entries are all tied, and a row of 3 valid entries for k = 4: the same output and gradient as the PyTorch
+    path."""
+    device = _device(backend)
+    x = torch.tensor([[2.0, 1.0, 2.0, 1.0, 1.0, 0.0, 2.0, -1.0, 1.0, 0.0, 3.0, 0.5],
+                      [0.5, -torch.inf, 0.5, 0.5, -torch.inf, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
+                      [1.0, 1.0, -torch.inf, 4.0, 4.0, -torch.inf, 1.0, 2.0, 2.0, 2.0, -torch.inf, -5.0],
+                      [-torch.inf] * 9 + [1.0, 1.0, 0.0]], device=device)
+    w = torch.randn(4, 12, 4, generator=torch.Generator().manual_seed(0)).to(device)
+    results = []
+    for b in (backend, "torch"):
+        xg = x.clone().requires_grad_()
+        out = soft_topk(xg, 4, epsilon=0.3, sorted=True, backend=b, scaling=scaling)
+        (out * w).sum().backward()
+        results.append((out.detach(), xg.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_long_rows_stream_in_several_blocks(backend):
     torch.manual_seed(3)
     x = torch.randn(2, 3000, device=_device(backend))

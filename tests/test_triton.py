@@ -16,22 +16,25 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from softtopk_fairseq.ops import triton_kernels as tk
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, UNSORTED_KERNEL_CONSTANTS
+from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
-FWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "centre_ptr": "*fp32", "eps_ptr": "*fp32", "bound": "fp32",
-       "tz_ptr": "*fp32", "shift_ptr": "*fp32", "c_ptr": "*fp32", "mact_ptr": "*i32", "out_ptr": "*fp32",
-       "info_ptr": "*fp32", "n": "i32", "k": "i32", "tol": "fp32", "max_iter": "i32", "max_halvings": "i32"}
-BWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "valid_ptr": "*i1", "y_ptr": "*fp32", "mact_ptr": "*i32",
-       "restc_ptr": "*i32", "eps_ptr": "*fp32", "grad_ptr": "*fp32", "n": "i32", "k": "i32"}
+FWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
+       "out_ptr": "*fp32", "info_ptr": "*fp32", "status_ptr": "*i32", "n": "i32", "k": "i32", "bound": "fp32",
+       "tol": "fp32", "max_iter": "i32", "max_halvings": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
+BWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32",
+       "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32", "k": "i32"}
 for arch in map(int, sys.argv[1:]):
-    for fn, sig, extra in ((tk.soft_topk_forward_kernel, FWD, KERNEL_CONSTANTS),
-                           (tk.soft_topk_backward_kernel, BWD, {"RIDGE_ULPS": KERNEL_CONSTANTS["RIDGE_ULPS"]})):
-        for has_mask, sorted_ in ((True, True), (False, False)):
-            consts = {"HAS_MASK": has_mask, "SORTED": sorted_, "MP": 8, "BLOCK_N": 256, **extra}
+    for fn, sig, flag, extra in (
+            (tk.soft_topk_forward_kernel, FWD, "PAPER",
+             {**KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF}),
+            (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {"RIDGE_ULPS": KERNEL_CONSTANTS["RIDGE_ULPS"]})):
+        for has_mask, on in ((True, True), (False, False)):
+            consts = {"HAS_MASK": has_mask, flag: on, "MP": 8, "BLOCK_N": 256, **extra}
             signature = dict(sig, **{name: "constexpr" for name in consts})
             triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32))
-            print("compiled", fn.__name__, arch, has_mask, sorted_)
+            print("compiled", fn.__name__, arch, has_mask, on)
     UFWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "centre_ptr": "*fp32", "eps_ptr": "*fp32", "bound": "fp32",
             "tau0_ptr": "*fp32", "shift_ptr": "*fp32", "out_ptr": "*fp32", "info_ptr": "*fp32", "n": "i32",
             "k": "i32", "tol": "fp32", "max_iter": "i32"}

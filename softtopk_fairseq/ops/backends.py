@@ -3,7 +3,7 @@
 * :class:`Backend` -- the PyTorch path (``backend="torch"``): any device, float32 or float64, Newton or
   Sinkhorn. The reference the fused backends are tested against.
 * :class:`FusedBackend` -- the same Newton solve and closed-form backward in two kernel launches, on the
-  raw scores; subclasses only name their kernel module and when they can run:
+  raw scores; subclasses name their kernel module and when they can run:
   :class:`CpuBackend` (``cpu_kernels``, C, CPU tensors) and :class:`TritonBackend` (``triton_kernels``,
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` for the tests).
 
@@ -12,9 +12,11 @@ scores, find the centre and the starting thresholds, solve) and ``gradients(...)
 both on (rows, n) scores with ``-inf`` on excluded entries and the caller's ``mask`` (bool, or None);
 ``soft_topk.py`` keeps the definition, validation and the custom-op registration, and never asks which
 backend it holds. Inside, the shared preparation calls the hooks ``row_top``, ``forward`` and ``backward``,
-which the fused backends override; the C backend also overrides the entry points of the unsorted operator,
-whose preparation it does in the kernel itself (one call each way instead of a few dozen tensor operations),
-and ``solve_paper``, computing the paper scaling's temperature in the same pass over the scores.
+which the fused backends override. Where a kernel does the preparation itself (one call each way instead of a
+few dozen tensor operations) its backend overrides the entry points instead: the C backend for the unsorted
+operator, the Triton backend for the sorted one (the operator of the soft beam search, where on a GPU those
+operations cost more host time than the solve), each with ``solve_paper`` computing the paper scaling's
+temperature in the same kernel.
 
 ``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from softtopk_fairseq.ops import backward as implicit_backward
 from softtopk_fairseq.ops import cpu_kernels, solvers
+from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN
 
 NAMES = ("auto", "torch", "triton", "cpu")
 NAN_SCORES = "soft_topk: scores contain NaN"
@@ -144,9 +147,10 @@ class Backend:
 
 class FusedBackend(Backend):
     """Newton forward and closed-form backward in one kernel launch each. Subclasses set ``kernels`` (a
-    module with ``padded_anchors``, ``forward`` and ``backward`` of one signature, and ``unsorted_forward`` /
-    ``unsorted_backward`` unless the subclass overrides ``solve`` / ``gradients`` for the unsorted operator, as
-    the C backend does) and say where they run."""
+    module with ``padded_anchors``, ``forward`` and ``backward`` of one signature unless the subclass overrides
+    ``solve`` / ``gradients`` for the sorted operator, as the Triton backend does, and ``unsorted_forward`` /
+    ``unsorted_backward`` unless it overrides them for the unsorted operator, as the C backend does) and say
+    where they run."""
 
     kernels = None
 
@@ -279,6 +283,31 @@ class TritonBackend(FusedBackend):
     def paper_temperature(self, x, mask, anchor_top, epsilon):
         return self._launch(self.kernels.paper_temperature, x, valid_entries(x, mask), anchor_top, epsilon)
 
+    # The sorted operator: one kernel each way from the raw scores, the preparation included (on a GPU the
+    # few dozen small tensor operations of Backend.solve cost more host time than the solve itself).
+    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
+        if not sorted:
+            return super().solve(x, mask, eps, k, sorted, tol, max_iter, method)
+        out, info, status, _, _, _ = self._launch(self.kernels.forward, x, mask, eps, k, score_bound(x.dtype, k),
+                                                  tol, max_iter)
+        _raise_for_row_status(status)
+        return out, info
+
+    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
+        if not sorted:
+            return super().solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method)
+        out, info, status, eps, at, slope = self._launch(self.kernels.forward, x, mask, None, k,
+                                                         score_bound(x.dtype, k), tol, max_iter,
+                                                         (anchor_top, epsilon))
+        _raise_for_row_status(status)
+        return out, info, eps, at, slope
+
+    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
+        if not sorted:
+            return super().gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad)
+        grad_x, grad_eps = self._launch(self.kernels.backward, out, grad_out, x, mask, eps, k, eps_grad)
+        return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
+
     def _launch(self, fn, *args):
         try:
             return fn(*args)
@@ -300,11 +329,17 @@ def score_bound(dtype: torch.dtype, k: int) -> float:
 
 
 def _raise_for_status(status: int) -> None:
-    """The C unsorted forward's report on the scores (``cpu_kernels.BAD_NAN`` / ``BAD_INF`` bits)."""
-    if status & cpu_kernels.BAD_NAN:
+    """A fused forward's report on the scores (``launch.BAD_NAN`` / ``BAD_INF`` bits)."""
+    if status & BAD_NAN:
         raise ValueError(NAN_SCORES)
-    if status & cpu_kernels.BAD_INF:
+    if status & BAD_INF:
         raise ValueError(INF_SCORES)
+
+
+def _raise_for_row_status(status: Tensor) -> None:
+    """:func:`_raise_for_status` on per-row status bits; one synchronisation unless some row is bad."""
+    if bool(status.any()):
+        _raise_for_status(int((status & BAD_NAN).amax()) | int((status & BAD_INF).amax()))
 
 
 def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:

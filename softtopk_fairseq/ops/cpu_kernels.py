@@ -25,12 +25,12 @@ from typing import Optional
 
 import torch
 
-from softtopk_fairseq.ops.launch import ensure_contiguous
+from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, ensure_contiguous
 from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
-# What soft_topk_unsorted_forward reports about a batch's scores (bits of its return value; 1 = out of memory).
-BAD_NAN, BAD_INF = 2, 4
+# soft_topk_unsorted_forward reports a batch's bad scores with launch.BAD_NAN / BAD_INF (bits of its return
+# value; 1 = out of memory).
 # The solver constants come from solvers.py as -D flags (part of the cache key with the other flags), the
 # status bits from here.
 CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN,

@@ -1,41 +1,58 @@
-"""Fused Triton kernels for SOFT top-k on CUDA tensors: the whole Newton solve in one launch, and the
-closed-form backward in one more. The math is the one of ``solvers.py`` / ``backward.py`` and the schedule
-the one of the C kernels (``soft_topk_cpu.c``): same threshold parameterisation, same two starting points,
-same damping rule (trust region of ``MAX_STEP`` on the potentials, then halving, accepted when the marginal
-error drops), same Hessian and ridge. The solver constants are ``solvers.KERNEL_CONSTANTS``, passed in as
-constexpr arguments (never restated here).
+"""Fused Triton kernels for SOFT top-k on CUDA tensors. The sorted operator is one launch each way, from the
+raw scores: on a GPU a soft beam-search update is bound by the host issuing operations, not by the GPU, so
+everything a call needs is done inside the kernel. The math is the one of ``solvers.py`` / ``backward.py`` and
+the schedule the one of the C kernels (``soft_topk_cpu.c``): same threshold parameterisation, same two starting
+points, same damping rule (trust region of ``MAX_STEP`` on the potentials, then halving, accepted when the
+marginal error drops), same Hessian and ridge. The solver constants are ``solvers.KERNEL_CONSTANTS`` (and
+``SATURATION``), passed in as constexpr arguments (never restated here).
 
-* forward: one program per row keeps the thresholds (anchor axis padded to ``MP``), the anchor masses
-  ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each evaluation streams the row's raw scores once
-  in blocks of ``BLOCK_N``, normalising them on the fly as ``clamp((x - centre) / eps, +-bound)`` (the plan
-  is never stored); the ``m x m`` Newton system is solved in registers by Gauss-Jordan elimination. A last
-  pass writes the output.
-* backward: two streaming passes per row -- one accumulates ``v`` and ``M``, one writes the gradient.
+* sorted forward (:func:`forward`): one program per row. It streams the row's raw scores to find what
+  ``backends.Backend.solve`` prepares with a few dozen tensor operations -- the valid entries (not ``-inf``,
+  not masked), bad scores (a status, ``launch.BAD_NAN`` / ``BAD_INF``), the paper scaling's temperature, the
+  top-(k+1) valid scores (one pass per distinct value), the centre x_(k), the anchor masses and the
+  hard-assignment thresholds -- then keeps the thresholds (anchor axis padded to ``MP``), the anchor masses
+  ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each Newton evaluation streams the scores once in
+  blocks of ``BLOCK_N``, normalising them on the fly as ``clamp((x - centre) / eps, +-bound)`` (the plan is
+  never stored); the ``m x m`` system is solved in registers by Gauss-Jordan elimination. A last pass writes
+  the output.
+* sorted backward (:func:`backward`): three streaming passes per row -- the valid count, then ``v`` and ``M``,
+  then the gradient (and dL/deps, ``backward.temperature_grad``, in the same pass).
+* unsorted forward / backward: the scalar root per row, from the starting point ``backends.FusedBackend``
+  prepares (the same inputs as the C kernels'), and the paper scaling's temperature alone.
 
-Inputs prepared by ``backends.FusedBackend`` (the same as the C kernels'): the scores ``x`` (rows, n)
-float32, the validity mask, per-row centre and temperature, the initial shifted thresholds
-``tz[l] = t_{l-1}`` (l = 1..m-1), their log-c shift, the per-row target masses ``c`` and number of active
-anchors. Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
+Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
 (``TRITON_INTERPRET=1``) runs it on CPU tensors for the tests.
 """
 import torch
 import triton
 import triton.language as tl
 
-from softtopk_fairseq.ops.launch import ensure_contiguous
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, UNSORTED_KERNEL_CONSTANTS
+from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, ensure_contiguous
+from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
+
+# float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
+FLT_EPS = tl.constexpr(1.1920928955078125e-07)
+
+
+@triton.jit
+def _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Raw scores x (BLOCK_N,) of elements start..start+BLOCK_N of ``row`` (0 where invalid) and their validity:
+    in the row, not ``-inf``, and where ``HAS_MASK``, True in the bool mask at ``valid_ptr``."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    keep = offs_n < n
+    if HAS_MASK:
+        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
+    x = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
+    keep = keep & (x != float("-inf"))
+    return tl.where(keep, x, 0.0), keep
+
 
 @triton.jit
 def _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK: tl.constexpr,
                MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
     """P tile (BLOCK_N, MP) of elements start..start+BLOCK_N of ``row``; zero rows where invalid."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    in_row = offs_n < n
-    keep = in_row
-    if HAS_MASK:
-        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=in_row, other=0) != 0)
-    x = tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0)
-    # Rounded division, as in soft_topk._normalise: the same u, bit for bit, as the other backends.
+    x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+    # Rounded division, as in solvers.normalise_scores: the same u, bit for bit, as the other backends.
     u = tl.minimum(tl.maximum(tl.div_rn(x - centre, eps), -bound), bound)
     u = tl.where(keep, u, 0.0)
     lane = tl.arange(0, MP)
@@ -69,6 +86,108 @@ def _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MA
 
 
 @triton.jit
+def _row_status(x_ptr, valid_ptr, row, n, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr):
+    """The row's number of valid entries and its status bits: BAD_NAN (a NaN anywhere, masked or not, as
+    backends._check_scores) | BAD_INF (+inf on a valid entry)."""
+    n_valid = tl.zeros((), dtype=tl.int32)
+    nan = tl.zeros((), dtype=tl.int32)
+    inf = tl.zeros((), dtype=tl.int32)
+    for start in range(0, n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        raw = tl.load(x_ptr + row * n + offs_n, mask=offs_n < n, other=0.0)
+        x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        n_valid += tl.sum(keep.to(tl.int32), axis=0)
+        nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
+        inf = tl.maximum(inf, tl.max((keep & (x == float("inf"))).to(tl.int32), axis=0))
+    return n_valid, tl.where(nan > 0, BAD_NAN, 0) | tl.where(inf > 0, BAD_INF, 0)
+
+
+@triton.jit
+def _row_top(x_ptr, valid_ptr, row, n, kk, HAS_MASK: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The ``kk`` (<= MP) largest valid scores of ``row``, decreasing, in lanes 0..kk-1 (``-inf`` past the valid
+    ones; later lanes may repeat a tie): one streaming pass per distinct value, each finding the largest value
+    below the last one and how often it occurs. (NaN and +inf are never taken: the row is reported bad.)"""
+    lane = tl.arange(0, MP)
+    top = tl.full((MP,), float("-inf"), tl.float32)
+    filled = tl.zeros((), dtype=tl.int32)
+    below = tl.full((), float("inf"), tl.float32)
+    while (filled < kk) & (below > float("-inf")):
+        best = tl.full((), float("-inf"), tl.float32)
+        count = tl.zeros((), dtype=tl.int32)
+        for start in range(0, n, BLOCK_N):
+            x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+            cand = keep & (x < below)
+            tile_best = tl.max(tl.where(cand, x, float("-inf")), axis=0)
+            tile_count = tl.sum((cand & (x == tile_best)).to(tl.int32), axis=0)
+            count = tl.where(tile_best > best, tile_count, tl.where(tile_best == best, count + tile_count, count))
+            best = tl.maximum(best, tile_best)
+        count = tl.where(best > float("-inf"), count, 0)
+        top = tl.where((lane >= filled) & (lane < filled + count), best, top)
+        filled += count
+        below = best
+    return top
+
+
+@triton.jit
+def _hard_boundary(above, below, SATURATION: tl.constexpr):
+    """solvers.hard_boundary: the midpoint of the last normalised score an anchor should hold and the next one,
+    or across a gap wider than 2 * SATURATION the boundary nearest 0 at least SATURATION from both; 0 where
+    that is not finite."""
+    boundary = 0.5 * (above + below)
+    margin = SATURATION + 8 * FLT_EPS * (tl.abs(above) + tl.abs(below))
+    wide = (above - below) > 2 * margin
+    boundary = tl.where(wide, tl.minimum(tl.maximum(0.0, below + margin), above - margin), boundary)
+    return tl.where((boundary == boundary) & (tl.abs(boundary) < float("inf")), boundary, 0.0)
+
+
+@triton.jit
+def _extremes(x_ptr, valid_ptr, row, n, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The row's largest and smallest valid scores and where they are (first occurrences)."""
+    hi = tl.full((), float("-inf"), tl.float32)
+    lo = tl.full((), float("inf"), tl.float32)
+    hi_at = tl.zeros((), dtype=tl.int32)
+    lo_at = tl.zeros((), dtype=tl.int32)
+    for start in range(0, n, BLOCK_N):
+        v, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        up = tl.where(keep, v, float("-inf"))
+        down = tl.where(keep, v, float("inf"))
+        tile_hi = tl.max(up, axis=0)
+        tile_lo = tl.min(down, axis=0)
+        hi_at = tl.where(tile_hi > hi, start + tl.argmax(up, axis=0), hi_at)
+        lo_at = tl.where(tile_lo < lo, start + tl.argmin(down, axis=0), lo_at)
+        hi = tl.maximum(hi, tile_hi)
+        lo = tl.minimum(lo, tile_lo)
+    return hi, lo, hi_at, lo_at
+
+
+@triton.jit
+def _paper_temperature(x_ptr, valid_ptr, row, n, anchor_top, epsilon, HAS_MASK: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """The paper scaling's temperature of one row (backends.Backend.paper_temperature, soft_topk_cpu.c): the
+    cost max(v^2, (v - K)^2) at the row's largest and smallest valid scores, eps = epsilon * M / 2 (epsilon when
+    M = 0 or nothing is valid), where M sits and d eps / d x there: (eps, at, slope)."""
+    hi, lo, hi_at, lo_at = _extremes(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
+    any_valid = hi > float("-inf")
+    hi = tl.where(any_valid, hi, 0.0)
+    lo = tl.where(any_valid, lo, 0.0)
+    hi_up = hi * hi
+    hi_down = (hi - anchor_top) * (hi - anchor_top)
+    lo_up = lo * lo
+    lo_down = (lo - anchor_top) * (lo - anchor_top)
+    cost_hi = tl.maximum(hi_up, hi_down)
+    cost_lo = tl.maximum(lo_up, lo_down)
+    slope_hi = tl.where(hi_up >= hi_down, 2.0 * hi, 2.0 * (hi - anchor_top))
+    slope_lo = tl.where(lo_up >= lo_down, 2.0 * lo, 2.0 * (lo - anchor_top))
+    use_hi = cost_hi >= cost_lo
+    cost = tl.where(use_hi, cost_hi, cost_lo)
+    positive = (cost > 0.0) & any_valid
+    eps = tl.where(positive, epsilon * cost / 2.0, epsilon)
+    slope = tl.where(positive, epsilon / 2.0 * tl.where(use_hi, slope_hi, slope_lo), 0.0)
+    return eps, tl.where(use_hi, hi_at, lo_at), slope
+
+
+@triton.jit
 def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     """Solve (diag(s) - P P^T) x = rhs on the free anchors (active, not the pinned last one); x = 0 elsewhere."""
     lane = tl.arange(0, MP)
@@ -77,7 +196,7 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     free_r = lane < (m_act - 1)
     free2 = (ri < (m_act - 1)) & (ci < (m_act - 1))
     scale = tl.maximum(tl.max(tl.where(free_r, s, 0.0), axis=0), 1.0)
-    ridge = RIDGE_ULPS * 1.1920928955078125e-07 * scale
+    ridge = RIDGE_ULPS * FLT_EPS * scale
     a = tl.where(ri == ci, s[:, None], 0.0) - ppt
     a = tl.where(free2, a, 0.0) + tl.where((ri == ci) & free2, ridge, 0.0) + tl.where((ri == ci) & ~free2, 1.0, 0.0)
     x = tl.where(free_r, rhs, 0.0)
@@ -93,29 +212,55 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
 
 
 @triton.jit
-def soft_topk_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bound, tz_ptr, shift_ptr, c_ptr, mact_ptr,
-                             out_ptr, info_ptr, n, k, tol, max_iter, max_halvings,
-                             HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr, n, k,
+                             bound, tol, max_iter, max_halvings, anchor_top, epsilon,
+                             HAS_MASK: tl.constexpr, PAPER: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
                              LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
-                             SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr):
+                             SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr,
+                             SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr):
+    """The sorted operator of one row from its raw scores: ``backends.Backend.solve``'s preparation, then
+    ``solvers.newton_semi_dual``. ``valid_ptr``: the caller's bool mask (``HAS_MASK``); ``-inf`` is excluded
+    in any case. ``PAPER``: the temperature is the paper scaling's (written to eps/at/slope), else read from
+    ``eps_ptr``."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
-    m_act = tl.load(mact_ptr + row)
-    centre = tl.load(centre_ptr + row)
-    eps = tl.load(eps_ptr + row)
-    c = tl.load(c_ptr + row * MP + lane)
-    tz = tl.load(tz_ptr + row * MP + lane)
+    n_valid, status = _row_status(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N, BAD_NAN, BAD_INF)
+    tl.store(status_ptr + row, status)
+    if PAPER:
+        eps, at, slope = _paper_temperature(x_ptr, valid_ptr, row, n, anchor_top, epsilon, HAS_MASK, BLOCK_N)
+        tl.store(eps_ptr + row, eps)
+        tl.store(at_ptr + row, at.to(tl.int64))
+        tl.store(slope_ptr + row, slope)
+    else:
+        eps = tl.load(eps_ptr + row)
+    # Anchors 0..k-1 (ranks) hold 1 each while there are valid entries for them; anchor k the other n - k.
+    c = tl.where(lane < k, (lane < n_valid).to(tl.float32), 0.0)
+    c = tl.where(lane == k, tl.maximum(n_valid - k, 0).to(tl.float32), c)
+    m_act = tl.sum((c > 0).to(tl.int32), axis=0)
+    # The centre x_(k) (the k-th largest valid score; 0 for an empty row) and the normalised top-(k+1).
+    top = _row_top(x_ptr, valid_ptr, row, n, k + 1, HAS_MASK, MP, BLOCK_N)
+    kth = tl.maximum(tl.minimum(n_valid, k) - 1, 0)
+    centre = tl.sum(tl.where(lane == kth, top, 0.0), axis=0)
+    centre = tl.where((centre == centre) & (tl.abs(centre) < float("inf")), centre, 0.0)
+    u_top = tl.where(top > float("-inf"), tl.minimum(tl.maximum(tl.div_rn(top - centre, eps), -bound), bound),
+                     float("-inf"))
+    # Hard-assignment start (solvers.initial_thresholds), stored shifted: tz[l] = t_{l-1}, the boundary
+    # between the l-th largest and the next; 0 where anchor l is inactive (m_act switches it off).
+    u_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, u_top[None, :], 0.0), axis=1)
+    tz = tl.where((lane >= 1) & (lane < m_act), _hard_boundary(u_prev, u_top, SATURATION), 0.0)
     s, ppt, err = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK, MP, BLOCK_N,
                             LOGIT_CLAMP)
-    # Second starting point (thresholds shifted by log c): kept if it fits the masses better.
+    # Second starting point (thresholds shifted by log c, solvers.log_mass_shift: only the rest anchor's mass
+    # differs from 1): kept if it fits the masses better.
     if err > SECOND_START_ERROR:
-        tz2 = tz + tl.load(shift_ptr + row * MP + lane)
+        shift = tl.where((lane == k) & (n_valid > k), tl.log(tl.maximum(n_valid - k, 1).to(tl.float32)), 0.0)
+        tz2 = tz + shift
         s2, ppt2, err2 = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz2, m_act, c, HAS_MASK, MP,
                                    BLOCK_N, LOGIT_CLAMP)
         if err2 < err:
             tz, s, ppt, err = tz2, s2, ppt2, err2
     it = tl.full((), 0, tl.int32)
-    going = err > tol
+    going = (err > tol) & (status == 0)  # a bad row is reported, not solved
     while going & (it < max_iter):
         dh = _solve_free(s, ppt, c - s, m_act, MP, RIDGE_ULPS)
         # Trust region: no potential moves by more than MAX_STEP in one step (solvers.newton_semi_dual).
@@ -146,78 +291,69 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bound, tz_pt
         p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
                        LOGIT_CLAMP)
         offs_n = start + tl.arange(0, BLOCK_N)
-        if SORTED:
-            ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
-            tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
-        else:
-            p0 = tl.sum(tl.where(lane[None, :] == 0, p, 0.0), axis=1)
-            tl.store(out_ptr + row * n + offs_n, p0, mask=offs_n < n)
+        ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
+        tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
 
 
 @triton.jit
-def _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK: tl.constexpr,
-                 SORTED: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Plan tile rebuilt from the output (rest column = 1 - taken) and the upstream gradient tile."""
+def _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK: tl.constexpr,
+                 MP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plan tile rebuilt from the sorted output (rest column = 1 - taken), the upstream gradient tile, and the
+    raw scores with their validity."""
+    x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
     offs_n = start + tl.arange(0, BLOCK_N)
-    in_row = offs_n < n
-    keep = in_row
-    if HAS_MASK:
-        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=in_row, other=0) != 0)
     lane = tl.arange(0, MP)
-    if SORTED:
-        cols = lane[None, :] < k
-        m2 = keep[:, None] & cols
-        p = tl.load(out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
-        g = tl.load(g_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
-        n_taken = k
-    else:
-        m2 = keep[:, None] & (lane[None, :] == 0)
-        p = tl.load(out_ptr + row * n + offs_n[:, None] + lane[None, :] * 0, mask=m2, other=0.0)
-        g = tl.load(g_ptr + row * n + offs_n[:, None] + lane[None, :] * 0, mask=m2, other=0.0)
-        n_taken = 1
+    m2 = keep[:, None] & (lane[None, :] < k)
+    p = tl.load(out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
+    g = tl.load(g_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
     rest = tl.maximum(1.0 - tl.sum(p, axis=1), 0.0)
-    p = tl.where((lane[None, :] == n_taken) & keep[:, None] & (rest_on != 0), rest[:, None], p)
-    return p, g, keep
+    p = tl.where((lane[None, :] == k) & keep[:, None] & (rest_on != 0), rest[:, None], p)
+    return p, g, x, keep
 
 
 @triton.jit
-def soft_topk_backward_kernel(out_ptr, g_ptr, valid_ptr, y_ptr, mact_ptr, restc_ptr, eps_ptr, grad_ptr,
-                              n, k, HAS_MASK: tl.constexpr, SORTED: tl.constexpr, MP: tl.constexpr,
+def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n, k,
+                              HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, MP: tl.constexpr,
                               BLOCK_N: tl.constexpr, RIDGE_ULPS: tl.constexpr):
+    """dL/dx of the sorted operator from its output (backward.implicit_grad, divided by eps), and with
+    ``EPS_GRAD`` dL/deps (backward.temperature_grad), for one row."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
-    m_act = tl.load(mact_ptr + row)
-    rest_on = tl.load(restc_ptr + row)
-    y = tl.load(y_ptr + lane)
+    n_valid = tl.zeros((), dtype=tl.int32)
+    x_sum = tl.zeros((), dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        n_valid += tl.sum(keep.to(tl.int32), axis=0)
+        x_sum += tl.sum(x, axis=0)
+    # The active anchors (solvers.anchor_targets) and the centred anchors y_l = k - l - k/2 (l = 0..k).
+    m_act = tl.minimum(n_valid, k) + (n_valid > k).to(tl.int32)
+    rest_on = (n_valid > k).to(tl.int32)
+    y = tl.where(lane <= k, (k - lane).to(tl.float32) - k / 2.0, 0.0)
     s = tl.zeros((MP,), dtype=tl.float32)
     v = tl.zeros((MP,), dtype=tl.float32)
     ppt = tl.zeros((MP, MP), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
-        p, g, keep = _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, SORTED,
-                                  MP, BLOCK_N)
+        p, g, x, keep = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
+                                     BLOCK_N)
         g_bar = tl.sum(p * g, axis=1)
         v += tl.sum(p * (g - g_bar[:, None]), axis=0)
         s += tl.sum(p, axis=0)
         ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
     w = _solve_free(s, ppt, v, m_act, MP, RIDGE_ULPS)
-    inv_eps = 1.0 / tl.load(eps_ptr + row)
+    eps = tl.load(eps_ptr + row)
+    x_mean = x_sum / tl.maximum(n_valid, 1).to(tl.float32)
+    moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
     for start in range(0, n, BLOCK_N):
-        p, g, keep = _output_tile(out_ptr, g_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, SORTED,
-                                  MP, BLOCK_N)
+        p, g, x, keep = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
+                                     BLOCK_N)
         y_bar = tl.sum(p * y[None, :], axis=1)
-        grad = tl.sum(p * (y[None, :] - y_bar[:, None]) * (g - w[None, :]), axis=1) * inv_eps
+        grad = tl.where(keep, tl.sum(p * (y[None, :] - y_bar[:, None]) * (g - w[None, :]), axis=1) / eps, 0.0)
         offs_n = start + tl.arange(0, BLOCK_N)
-        tl.store(grad_ptr + row * n + offs_n, tl.where(keep, grad, 0.0), mask=offs_n < n)
-
-
-@triton.jit
-def _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Raw scores x (BLOCK_N,) of elements start..start+BLOCK_N of ``row`` (0 where invalid) and their validity."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    keep = offs_n < n
-    if HAS_MASK:
-        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
-    return tl.load(x_ptr + row * n + offs_n, mask=keep, other=0.0), keep
+        tl.store(grad_ptr + row * n + offs_n, grad, mask=offs_n < n)
+        if EPS_GRAD:
+            moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
+    if EPS_GRAD:
+        tl.store(grad_eps_ptr + row, -moment / eps)
 
 
 @triton.jit
@@ -305,41 +441,12 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bou
 @triton.jit
 def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, anchor_top, epsilon,
                              HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The paper scaling's temperature of one row (backends.Backend.paper_temperature, soft_topk_cpu.c): the
-    row's largest and smallest valid scores (first occurrences), the cost max(v^2, (v - K)^2) at both, eps =
-    epsilon * M / 2 (epsilon when M = 0 or nothing is valid), where M sits and d eps / d x there."""
+    """The paper scaling's temperature of one row alone (:func:`_paper_temperature`)."""
     row = tl.program_id(0)
-    hi = tl.full((), float("-inf"), tl.float32)
-    lo = tl.full((), float("inf"), tl.float32)
-    hi_at = tl.zeros((), dtype=tl.int32)
-    lo_at = tl.zeros((), dtype=tl.int32)
-    for start in range(0, n, BLOCK_N):
-        v, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
-        up = tl.where(keep, v, float("-inf"))
-        down = tl.where(keep, v, float("inf"))
-        tile_hi = tl.max(up, axis=0)
-        tile_lo = tl.min(down, axis=0)
-        hi_at = tl.where(tile_hi > hi, start + tl.argmax(up, axis=0), hi_at)
-        lo_at = tl.where(tile_lo < lo, start + tl.argmin(down, axis=0), lo_at)
-        hi = tl.maximum(hi, tile_hi)
-        lo = tl.minimum(lo, tile_lo)
-    any_valid = hi > float("-inf")
-    hi = tl.where(any_valid, hi, 0.0)
-    lo = tl.where(any_valid, lo, 0.0)
-    hi_up = hi * hi
-    hi_down = (hi - anchor_top) * (hi - anchor_top)
-    lo_up = lo * lo
-    lo_down = (lo - anchor_top) * (lo - anchor_top)
-    cost_hi = tl.maximum(hi_up, hi_down)
-    cost_lo = tl.maximum(lo_up, lo_down)
-    slope_hi = tl.where(hi_up >= hi_down, 2.0 * hi, 2.0 * (hi - anchor_top))
-    slope_lo = tl.where(lo_up >= lo_down, 2.0 * lo, 2.0 * (lo - anchor_top))
-    use_hi = cost_hi >= cost_lo
-    cost = tl.where(use_hi, cost_hi, cost_lo)
-    positive = (cost > 0.0) & any_valid
-    tl.store(at_ptr + row, tl.where(use_hi, hi_at, lo_at).to(tl.int64))
-    tl.store(slope_ptr + row, tl.where(positive, epsilon / 2.0 * tl.where(use_hi, slope_hi, slope_lo), 0.0))
-    tl.store(eps_ptr + row, tl.where(positive, epsilon * cost / 2.0, epsilon))
+    eps, at, slope = _paper_temperature(x_ptr, valid_ptr, row, n, anchor_top, epsilon, HAS_MASK, BLOCK_N)
+    tl.store(at_ptr + row, at.to(tl.int64))
+    tl.store(slope_ptr + row, slope)
+    tl.store(eps_ptr + row, eps)
 
 
 @triton.jit
@@ -390,37 +497,50 @@ def warps_for(block: int, mp: int) -> int:
 
 
 @ensure_contiguous
-def forward(x, valid, centre, eps, bound, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8,
-            block=None, num_warps=None):
-    """Launch the fused forward (the same arguments as ``cpu_kernels.forward``). Shapes: x, valid (rows, n);
-    centre, eps (rows,); tz, shift, c (rows, MP); m_act (rows,) int32. ``block``/``num_warps``: launch
-    parameters (default: :func:`block_n`, :func:`warps_for`)."""
+def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, block=None, num_warps=None):
+    """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
+    (rows, n) bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top,
+    epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info
+    (rows, 2), status (rows,) int32 -- ``launch.BAD_NAN`` / ``BAD_INF`` bits --, eps, at, slope); ``at`` and
+    ``slope`` are None without ``paper``. ``block``/``num_warps``: launch parameters (default:
+    :func:`block_n`, :func:`warps_for`)."""
     rows, n = x.shape
-    mp = tz.shape[-1]
+    mp = padded_anchors(k + 1)
     block = block or block_n(n, mp)
-    out = torch.empty((rows, n, k) if sorted else (rows, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((rows, n, k), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
-    has_mask = valid is not None
+    status = torch.empty((rows,), dtype=torch.int32, device=x.device)
+    anchor_top, epsilon = paper if paper is not None else (0.0, 0.0)
+    if paper is not None:
+        eps = torch.empty((rows,), dtype=torch.float32, device=x.device)
+        at = torch.empty((rows,), dtype=torch.int64, device=x.device)
+        slope = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    else:
+        at = slope = None
     soft_topk_forward_kernel[(rows,)](
-        x, valid if has_mask else x, centre, eps, float(bound), tz, shift, c, m_act, out, info, n, k, float(tol),
-        int(max_iter), int(max_halvings), HAS_MASK=has_mask, SORTED=sorted, MP=mp,
-        BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), **KERNEL_CONSTANTS)
-    return out, info
+        x, mask if mask is not None else x, eps, at if at is not None else info,
+        slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
+        int(max_halvings), float(anchor_top), float(epsilon), HAS_MASK=mask is not None, PAPER=paper is not None,
+        MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), SATURATION=SATURATION, BAD_NAN=BAD_NAN,
+        BAD_INF=BAD_INF, **KERNEL_CONSTANTS)
+    return out, info, status, eps, at, slope
 
 
 @ensure_contiguous
-def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted, block=None, num_warps=None):
-    """Launch the fused backward (the same arguments as ``cpu_kernels.backward``); returns dL/dx (rows, n)."""
-    rows, n = valid.shape if valid is not None else out.shape[:2]
-    mp = y.shape[-1]
+def backward(out, grad_out, x, mask, eps, k, eps_grad, block=None, num_warps=None):
+    """Launch the sorted backward: dL/dx (rows, n) from the output ``out`` (rows, n, k), ``grad_out`` like it,
+    the raw scores ``x`` and ``mask`` of the forward and its temperature ``eps``; and dL/deps (rows,) when
+    ``eps_grad``, else None."""
+    rows, n = x.shape
+    mp = padded_anchors(k + 1)
     block = block or block_n(n, mp)
-    grad = torch.empty((rows, n), dtype=torch.float32, device=out.device)
-    has_mask = valid is not None
+    grad = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    grad_eps = torch.empty((rows,), dtype=torch.float32, device=x.device) if eps_grad else None
     soft_topk_backward_kernel[(rows,)](
-        out, grad_out, valid if has_mask else out, y, m_act, rest_on, eps, grad, n, k,
-        HAS_MASK=has_mask, SORTED=sorted, MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp),
-        RIDGE_ULPS=KERNEL_CONSTANTS["RIDGE_ULPS"])
-    return grad
+        out, grad_out, x, mask if mask is not None else x, eps, grad, grad_eps if eps_grad else grad, n, k,
+        HAS_MASK=mask is not None, EPS_GRAD=bool(eps_grad), MP=mp, BLOCK_N=block,
+        num_warps=num_warps or warps_for(block, mp), RIDGE_ULPS=KERNEL_CONSTANTS["RIDGE_ULPS"])
+    return grad, grad_eps
 
 
 def unsorted_block(n: int) -> int:
