@@ -92,7 +92,7 @@ def main():
                 except Exception as e:  # out of resources at this size: say so and go on
                     print(f"| {block} | {warps} | failed: {type(e).__name__} | |")
                     continue
-                mark = " *" if (block == default and warps == 4) else ""
+                mark = " *" if (block == default and warps == tk.warps_for(block, mp)) else ""
                 print(f"| {block}{mark} | {warps} | {t_f:.3f} | {t_b:.3f} |", flush=True)
 
 
