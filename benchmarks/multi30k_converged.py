@@ -12,10 +12,15 @@ Stages (each run is one fairseq-train command line, recorded in the ledger the m
 already in the ledger is skipped, and an interrupted one continues from its own ``checkpoint_last.pt``):
 
 * ``pretrain`` -- RNNsearch (the paper's model for soft beam search), teacher forcing, until converged:
-  validation every epoch with BLEU (beam 5, fairseq's ``--eval-bleu``), Adam with ``reduce_lr_on_plateau``
-  on that BLEU (x0.5 after ``--lr-patience`` epochs without a gain), early stopping after ``--patience``
-  epochs without a gain (fairseq's ``--patience``), at most ``--max-epoch`` epochs (a run that reaches it
-  is recorded as not converged). Scored: ``checkpoint_best.pt``.
+  validation every epoch with BLEU (beam 5, fairseq's ``--eval-bleu``), Adam with a plateau schedule on that
+  BLEU (x0.5 after ``--lr-patience`` epochs without a gain), early stopping after ``--patience`` epochs
+  without a gain (fairseq's ``--patience``), at most ``--max-epoch`` epochs (a run that reaches it is recorded
+  as not converged). Scored: ``checkpoint_best.pt``. The schedule is ``reduce_lr_on_plateau_resumable``
+  (this package's): fairseq's own ``reduce_lr_on_plateau`` forgets, when a run continues from its checkpoint,
+  the epochs without a gain counted so far and the halving due at the epoch the checkpoint closes, and
+  ``--patience`` forgets its count -- so a run stopped and continued converged by a different rule than one
+  that never stopped. (The pre-trainings in the study's ledger used fairseq's; seed 1's original was
+  continued once.)
 * ``finetune`` -- (after ``pruning``, whose comparison picks M: ``--candidates auto``, the smallest M whose
   gradient cosine to the exact gradient is >= 0.99 at the run's temperature, else exact) from each seed's
   converged checkpoint (``--finetune-from-model``: fresh optimizer and
@@ -233,7 +238,7 @@ class Study:
 
     def converge_args(self) -> List[str]:
         a = self.args
-        return [*EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
+        return [*EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5",
                 "--lr-patience", str(a.lr_patience), "--patience", str(a.patience), "--max-epoch", str(a.max_epoch)]
 
     def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str],

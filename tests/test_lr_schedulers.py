@@ -1,0 +1,146 @@
+"""``--lr-scheduler reduce_lr_on_plateau_resumable``: a run continued from its checkpoint takes the same learning
+rates and stops at the same epoch as one that never stopped -- where fairseq's ``reduce_lr_on_plateau`` does not."""
+import argparse
+import math
+import re
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+from fairseq.optim.lr_scheduler.reduce_lr_on_plateau import (
+    ReduceLROnPlateauLRSchedule,
+    ReduceLROnPlateauLRScheduleConfig,
+)
+from fairseq.optim.sgd import SGD
+
+import softtopk_fairseq.fairseq_plugin  # noqa: F401
+from softtopk_fairseq.lr_schedulers.resumable_plateau import ResumableReduceLROnPlateau
+
+from fairseq_cli import USER_DIR, fairseq, tiny_arch  # the tests' helper module, which shadows fairseq's package
+
+
+def _load_fairseq_train():
+    """fairseq's own ``fairseq_cli/train.py`` (its package name is taken by the helper module here), registered
+    under its name, as the scheduler finds it inside fairseq-train."""
+    import importlib.util
+    import os
+    import sys
+
+    import fairseq
+
+    path = os.path.join(os.path.dirname(os.path.dirname(fairseq.__file__)), "fairseq_cli", "train.py")
+    spec = importlib.util.spec_from_file_location("fairseq_cli.train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["fairseq_cli.train"] = module
+    return module
+
+
+fairseq_train = _load_fairseq_train()
+
+# Validation BLEU per epoch: gains, a tie, plateaus long enough to halve the rate three times, a late gain.
+SCORES = [20.0, 25.0, 24.0, 23.0, 26.0, 26.0, 25.5, 27.0, 26.0, 25.0, 24.0, 23.0, 22.0]
+PATIENCE = 4  # --patience: stop after 4 validations without a gain
+
+
+def _reset_fairseq_globals():
+    for fn, names in ((fairseq_train.should_stop_early, ("best", "num_runs")),
+                      (checkpoint_utils.save_checkpoint, ("best",))):
+        for name in names:
+            if hasattr(fn, name):
+                delattr(fn, name)
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state():
+    _reset_fairseq_globals()
+    yield
+    _reset_fairseq_globals()
+
+
+def _build(scheduler_class):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = SGD(argparse.Namespace(lr=[1.0], momentum=0.0, weight_decay=0.0), [param])
+    cfg = ReduceLROnPlateauLRScheduleConfig(lr=[1.0], lr_shrink=0.5, lr_patience=1,
+                                            maximize_best_checkpoint_metric=True)
+    return optimizer, scheduler_class(cfg, optimizer)
+
+
+def _run(scheduler_class, stop_after=None):
+    """fairseq-train's end-of-epoch sequence (validate, early-stopping check, save, then the plateau step), with a
+    restart from the checkpoint of epoch ``stop_after`` as a new process would load it: (learning rate after each
+    epoch's step, the epoch training stopped at)."""
+    stop_cfg = argparse.Namespace(checkpoint=argparse.Namespace(patience=PATIENCE,
+                                                                maximize_best_checkpoint_metric=True))
+    optimizer, scheduler = _build(scheduler_class)
+    rates = []
+    for epoch, score in enumerate(SCORES, start=1):
+        should_stop = fairseq_train.should_stop_early(stop_cfg, score)
+        best = max(score, getattr(checkpoint_utils.save_checkpoint, "best", -math.inf))
+        checkpoint_utils.save_checkpoint.best = best
+        checkpoint = {"scheduler": scheduler.state_dict(), "optimizer": optimizer.state_dict(),
+                      "best": checkpoint_utils.save_checkpoint.best}
+        if should_stop:
+            return rates, epoch
+        if epoch == stop_after:  # the process ends here; a new one continues from the checkpoint
+            _reset_fairseq_globals()
+            checkpoint_utils.save_checkpoint.best = checkpoint["best"]
+            optimizer, scheduler = _build(scheduler_class)
+            scheduler.load_state_dict(checkpoint["scheduler"])   # trainer.load_checkpoint's order
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.step(epoch + 1)                            # trainer.load_checkpoint
+            scheduler.step(epoch + 1)                            # checkpoint_utils.load_checkpoint
+        else:
+            scheduler.step(epoch, score)
+        rates.append(optimizer.get_lr())
+    return rates, None
+
+
+def test_a_continued_run_takes_the_same_rates_and_stops_at_the_same_epoch():
+    uninterrupted = _run(ResumableReduceLROnPlateau)
+    # halved after every second epoch without a gain (4, 7, 10), stopped after 4 validations without one (12)
+    assert uninterrupted == ([1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125, 0.125], 12)
+    for stop_after in range(1, len(SCORES)):
+        _reset_fairseq_globals()
+        assert _run(ResumableReduceLROnPlateau, stop_after) == uninterrupted, stop_after
+
+
+def test_fairseqs_own_plateau_schedule_drifts_when_continued():
+    """The control: fairseq's reduce_lr_on_plateau, continued from its checkpoint, differs (rates or stop)."""
+    uninterrupted = _run(ReduceLROnPlateauLRSchedule)
+    drifted = []
+    for stop_after in range(1, len(SCORES)):
+        _reset_fairseq_globals()
+        drifted.append(_run(ReduceLROnPlateauLRSchedule, stop_after) != uninterrupted)
+    assert sum(drifted) >= len(SCORES) // 2
+
+
+def test_fairseq_train_continued_matches_uninterrupted(toy_data_bin, tmp_path):
+    """Through fairseq-train itself: 5 epochs in one go against 2 + 3 from checkpoint_last.pt, with a plateau rule
+    that halves the rate after every epoch without a 50 % gain: the same rates (fairseq's own schedule would skip
+    the halving of epoch 2 after the restart) and validation losses."""
+    def train(save, max_epoch):
+        return fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "1",
+                       *tiny_arch("transformer"), "--dropout", "0", "--optimizer", "adam", "--lr", "0.01",
+                       "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5", "--lr-patience", "0",
+                       "--lr-threshold", "0.5", "--patience", "3", "--criterion", "cross_entropy",
+                       "--max-tokens", "400", "--max-epoch", str(max_epoch), "--save-dir", save,
+                       "--no-epoch-checkpoints", "--log-format", "simple", "--num-workers", "0",
+                       "--required-batch-size-multiple", "1").stdout
+
+    def epochs(log):
+        valid = re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)
+        rates = re.findall(r"\| train \|.* lr ([0-9.e-]+)", log)
+        return list(zip(valid, rates))
+
+    once = epochs(train(tmp_path / "once", 5))
+    first = epochs(train(tmp_path / "split", 2))
+    rest = train(tmp_path / "split", 5)
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt", rest), rest[-3000:]
+    assert len(once) == 5 and len({rate for _, rate in once}) >= 3, once  # the rate did move
+    continued = first + epochs(rest)
+    assert [rate for _, rate in continued] == [rate for _, rate in once]
+    # The losses agree to the logged precision up to the restart and closely after it: a continued fairseq run
+    # is not bit-identical to an uninterrupted one even without dropout (last digit seen to differ; cause not
+    # established -- not the schedule, whose rates are equal).
+    assert [float(v) for v, _ in continued] == pytest.approx([float(v) for v, _ in once], abs=0.01)
