@@ -19,8 +19,11 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   (this package's): fairseq's own ``reduce_lr_on_plateau`` forgets, when a run continues from its checkpoint,
   the epochs without a gain counted so far and the halving due at the epoch the checkpoint closes, and
   ``--patience`` forgets its count -- so a run stopped and continued converged by a different rule than one
-  that never stopped. (The pre-trainings in the study's ledger used fairseq's; seed 1's original was
-  continued once.)
+  that never stopped. And ``--update-epoch-batch-itr True``: fairseq composes an epoch's batches from the seed
+  plus the epoch at which it builds its batch iterator, once per run unless told otherwise, so a continued run
+  trained on other batches (same sizes, other sentences) from the restart on. With both, a continued run
+  repeats an uninterrupted one exactly (tests/test_lr_schedulers.py). (The pre-trainings in the study's
+  ledger had neither; seed 1's original was continued once -- where its curve leaves its rerun's.)
 * ``finetune`` -- (after ``pruning``, whose comparison picks M: ``--candidates auto``, the smallest M whose
   gradient cosine to the exact gradient is >= 0.99 at the run's temperature, else exact) from each seed's
   converged checkpoint (``--finetune-from-model``: fresh optimizer and
@@ -28,7 +31,10 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   ``--finetune-epochs`` epochs at Adam ``--finetune-lr`` (constant), validated (BLEU) every
   ``--finetune-validate-updates`` updates, best on val: continued teacher forcing, soft beam search in the
   paper's setting, softmax-k-times at that temperature, and soft beam search at the sweep's choice (``soft_beam_best``;
-  any of ``FINETUNE_RUNS`` can be chosen with ``--runs``).
+  any of ``FINETUNE_RUNS`` can be chosen with ``--runs``). A fine-tuning continued from a checkpoint of its first
+  epoch repeats an uninterrupted one exactly; from one of its second epoch it trains the rest of that epoch on
+  other batches (fairseq builds the batch iterator anew at the restart's epoch; see ``pretrain``), so stop these
+  runs in their first epoch or let them finish.
 * ``sweep`` -- (before ``finetune``) the fine-tunings of ``SWEEP`` on one seed (``--sweep-seed``): the paper's
   setting, distinct beams (``--soft-beam-bookkeeping topk``), and distinct beams with the temperature in nats; the
   one with the highest val BLEU is ``soft_beam_best``, which ``finetune`` then runs on every seed.
@@ -46,8 +52,9 @@ finished; ``train_s_starts``: each start's, from its log), and the exact extra a
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
 has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
 place and records that run too, as ``KEY.rerun``, which ``report`` sets beside the original (a rerun need not
-reproduce it: seed 1's matched the original's first five epochs to the digit, not the epochs after the original
-was stopped and continued -- docs/results.md); without the flag those fine-tunings are skipped with a message saying so.
+reproduce it: seed 1's matched the original's recorded epochs before its restart to the digit and none after
+it, as fairseq's restart built other batches -- see ``pretrain`` and docs/results.md); without the flag those
+fine-tunings are skipped with a message saying so.
 """
 import argparse
 import datetime
@@ -238,7 +245,11 @@ class Study:
 
     def converge_args(self) -> List[str]:
         a = self.args
-        return [*EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5",
+        # Exactly resumable: the plateau's and --patience's counts survive a restart (reduce_lr_on_plateau_resumable),
+        # and each epoch's batches are built from seed + epoch whether or not the run restarted (fairseq otherwise
+        # reuses epoch 1's in an uninterrupted run and builds new ones at the restart's epoch).
+        return ["--update-epoch-batch-itr", "True",
+                *EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5",
                 "--lr-patience", str(a.lr_patience), "--patience", str(a.patience), "--max-epoch", str(a.max_epoch)]
 
     def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str],

@@ -118,7 +118,9 @@ def test_fairseqs_own_plateau_schedule_drifts_when_continued():
 def test_fairseq_train_continued_matches_uninterrupted(toy_data_bin, tmp_path):
     """Through fairseq-train itself: 5 epochs in one go against 2 + 3 from checkpoint_last.pt, with a plateau rule
     that halves the rate after every epoch without a 50 % gain: the same rates (fairseq's own schedule would skip
-    the halving of epoch 2 after the restart) and validation losses."""
+    the halving of epoch 2 after the restart) and validation losses. ``--update-epoch-batch-itr``: fairseq
+    composes the batches with the seed plus the epoch its batch iterator is built at, and an uninterrupted run
+    reuses epoch 1's -- a continued one would build new ones (same sizes, other sentences)."""
     def train(save, max_epoch):
         return fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "1",
                        *tiny_arch("transformer"), "--dropout", "0", "--optimizer", "adam", "--lr", "0.01",
@@ -126,7 +128,7 @@ def test_fairseq_train_continued_matches_uninterrupted(toy_data_bin, tmp_path):
                        "--lr-threshold", "0.5", "--patience", "3", "--criterion", "cross_entropy",
                        "--max-tokens", "400", "--max-epoch", str(max_epoch), "--save-dir", save,
                        "--no-epoch-checkpoints", "--log-format", "simple", "--num-workers", "0",
-                       "--required-batch-size-multiple", "1").stdout
+                       "--required-batch-size-multiple", "1", "--update-epoch-batch-itr", "True").stdout
 
     def epochs(log):
         valid = re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)
@@ -138,9 +140,4 @@ def test_fairseq_train_continued_matches_uninterrupted(toy_data_bin, tmp_path):
     rest = train(tmp_path / "split", 5)
     assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt", rest), rest[-3000:]
     assert len(once) == 5 and len({rate for _, rate in once}) >= 3, once  # the rate did move
-    continued = first + epochs(rest)
-    assert [rate for _, rate in continued] == [rate for _, rate in once]
-    # The losses agree to the logged precision up to the restart and closely after it: a continued fairseq run
-    # is not bit-identical to an uninterrupted one even without dropout (last digit seen to differ; cause not
-    # established -- not the schedule, whose rates are equal).
-    assert [float(v) for v, _ in continued] == pytest.approx([float(v) for v, _ in once], abs=0.01)
+    assert first + epochs(rest) == once
