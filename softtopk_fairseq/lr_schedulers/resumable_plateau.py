@@ -52,7 +52,8 @@ class ResumableReduceLROnPlateau(ReduceLROnPlateauLRSchedule):
         super().__init__(cfg, optimizer)
         self.scored_epoch = 0       # the last epoch whose score the plateau has stepped with
         self.best_when_scored = None  # fairseq's best score at that step
-        self.replay = None          # set by load_state_dict: the step the checkpoint is behind, if any
+        self.pending = False        # set by load_state_dict: the checkpoint may be one plateau step behind
+        self.saved_best = None      # fairseq's best score when that checkpoint was saved
 
     def state_dict(self):
         state = super().state_dict()
@@ -70,7 +71,7 @@ class ResumableReduceLROnPlateau(ReduceLROnPlateauLRSchedule):
                 setattr(self.lr_scheduler, name, state_dict[name])
         self.scored_epoch = state_dict.get("scored_epoch", 0)
         self.best_when_scored = state_dict.get("best_when_scored")
-        self.replay = state_dict
+        self.pending, self.saved_best = True, state_dict.get("best_score")
         stop = _early_stopping()
         if stop is not None and "early_stopping" in state_dict:
             stop.best = state_dict["early_stopping"]["best"]
@@ -80,13 +81,13 @@ class ResumableReduceLROnPlateau(ReduceLROnPlateauLRSchedule):
         if val_loss is not None:
             self.scored_epoch = epoch
             self.best_when_scored = _best_score()
-        elif self.replay is not None:
-            state, self.replay = self.replay, None
+        elif self.pending:
+            self.pending = False
             # Saved at the end of epoch epoch - 1 (fairseq continues with the next one) before that epoch's step.
-            if self.scored_epoch < epoch - 1 and self.warmup_end and state.get("best_score") is not None:
-                raised = self.best_when_scored is None or state["best_score"] != self.best_when_scored
+            if self.scored_epoch < epoch - 1 and self.warmup_end and self.saved_best is not None:
+                raised = self.best_when_scored is None or self.saved_best != self.best_when_scored
                 worst = -math.inf if self.lr_scheduler.mode == "max" else math.inf
-                super().step(epoch - 1, state["best_score"] if raised else worst)
+                super().step(epoch - 1, self.saved_best if raised else worst)
                 self.scored_epoch = epoch - 1
-                self.best_when_scored = state["best_score"]
+                self.best_when_scored = self.saved_best
         return super().step(epoch, val_loss)
