@@ -13,7 +13,9 @@ the demo transformer trained with teacher forcing for ``--updates`` updates, the
 each decoded with ``fairseq-generate --beam 5`` (sacrebleu, word level). With each further precision the
 two plugin runs repeat for ``--short-updates`` updates. Every logged loss and gradient norm must be finite
 (fp16's skipped overflow steps are counted, not failures). Prints one markdown table and writes it with the
-raw figures to ``WORKDIR/summary.json``; exits non-zero when a run fails or logs a non-finite value.
+raw figures to ``WORKDIR/summary.json``; exits non-zero when a run fails or logs a non-finite value. A
+fairseq-train killed by a signal *after* it logged "done training" (some GPU images abort every fairseq-train
+at exit, plain fairseq too) counts as finished, with the signal in the table's ``exit`` column.
 ``--precisions none --cpu`` runs the same on CPU in full precision (what the tests do, tiny).
 """
 import argparse
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -38,7 +41,16 @@ TF = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
 TOPK_ATTN = ["--arch", "transformer_topk_attn", "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1"]
 
 
-def run(cmd, log_path):
+# fairseq-train's last log line once training and its last checkpoint are done.
+DONE_TRAINING = "done training in"
+
+
+def run(cmd, log_path, done_marker=None):
+    """Runs ``cmd`` with its output in ``log_path``; returns (output, seconds, abort). A non-zero exit fails --
+    except a death by signal after ``done_marker`` was logged: on some GPU images every fairseq-train (plain
+    fairseq too) aborts at interpreter exit ("terminate called without an active exception") after its work is
+    done and saved. That exit is returned as ``abort`` (e.g. "SIGABRT after 'done training in'") and shown in
+    the table, not hidden."""
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -46,9 +58,20 @@ def run(cmd, log_path):
     seconds = time.perf_counter() - start
     with open(log_path, encoding="utf-8") as f:
         output = f.read()
+    # A signal shows as -N from subprocess, or as 128 + N when a shell passed it on.
+    signum = -proc.returncode if proc.returncode < 0 else proc.returncode - 128 if proc.returncode > 128 else 0
+    if signum and done_marker is not None and done_marker in output:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        abort = f"{name} after {done_marker!r}"
+        print(f"gpu_train_check: warning: {cmd[2] if len(cmd) > 2 else cmd[0]} exited with {abort} "
+              f"(log: {log_path}); its work was done, counted as finished", flush=True)
+        return output, seconds, abort
     if proc.returncode != 0:
         raise RuntimeError(f"failed ({proc.returncode}): {' '.join(cmd)}\n{output[-4000:]}")
-    return output, seconds
+    return output, seconds, None
 
 
 def train_stats(output):
@@ -104,14 +127,16 @@ def main():
                      "--reset-dataloader", "--lr", "1e-4", "--lr-scheduler", "fixed"]
         else:
             args += scratch
-        output, seconds = run([*fairseq_cmd("train"), *args], save + ".log")
+        output, seconds, abort = run([*fairseq_cmd("train"), *args], save + ".log", done_marker=DONE_TRAINING)
         row = dict(run=name, precision=precision, updates=updates, seconds=round(seconds, 1), **train_stats(output))
+        if abort:
+            row["exit"] = abort
         rows.append(row)
         print(json.dumps(row), flush=True)
         return os.path.join(save, "checkpoint_last.pt")
 
     def bleu(row, checkpoint, precision):
-        out, _ = run([*fairseq_cmd("generate"), bin_dir, "--user-dir", USER_DIR, *device, "--path", checkpoint,
+        out, _, _ = run([*fairseq_cmd("generate"), bin_dir, "--user-dir", USER_DIR, *device, "--path", checkpoint,
                       "--gen-subset", "test", "--beam", "5", "--batch-size", "128", "--scoring", "sacrebleu",
                       *PRECISION_FLAGS[precision if precision != "amp" else "none"], *KEEP_LAST_BATCH],
                      checkpoint + ".generate.log")
@@ -130,12 +155,12 @@ def main():
         train("soft_beam_search", precision, a.updates + a.short_updates, SOFT_BEAM, restore=tf_ckpt)
         train("topk_attn", precision, a.short_updates, [*TOPK_ATTN, *TF])
     print("\n| run | precision | updates (to) | wall s | updates/s (last log) | final loss | non-finite logged | "
-          "fp16 overflow skips | BLEU beam 5 (test, 200 sents) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "fp16 overflow skips | BLEU beam 5 (test, 200 sents) | exit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = f"{r['bleu']:.2f} ({r['hypotheses']} hyps)" if "bleu" in r else "-"
         print(f"| {r['run']} | {r['precision']} | {r['updates']} | {r['seconds']} | {r['ups']} | {r['final_loss']:.3f} "
-              f"| {r['non_finite']} | {r['overflows']} | {b} |")
+              f"| {r['non_finite']} | {r['overflows']} | {b} | {r.get('exit', 0)} |")
     with open(os.path.join(a.workdir, "summary.json"), "w") as f:
         json.dump(rows, f, indent=1)
     failed = [r for r in rows if r["non_finite"] or not math.isfinite(r["final_loss"]) or r.get("hypotheses") == 0]

@@ -330,3 +330,26 @@ def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
     assert converged.TrainLog(str(empty)).seconds == 0 and not converged.TrainLog(str(empty)).stopped_early
     assert converged.wall_seconds({"train_s": 5.0, "train_s_starts": [100.0, 7.0]}) == 107.0
     assert converged.wall_seconds({"train_s": 5.0}) == 5.0  # rows written before the field existed
+
+
+def test_gpu_train_check_counts_an_abort_after_done_training_as_finished_and_any_other_failure_not(tmp_path):
+    """Some GPU images abort every fairseq-train at interpreter exit, after its work is saved: that exit is
+    reported (returned, for the table), not a failure; an abort before the marker, or any non-zero exit
+    without it, still fails."""
+    sys.path.insert(0, BENCH)
+    import gpu_train_check
+
+    marker = gpu_train_check.DONE_TRAINING
+    log = str(tmp_path / "run.log")
+    finished = [sys.executable, "-c", f"import os; print('{marker} 1.0 seconds', flush=True); os.abort()"]
+    output, _, abort = gpu_train_check.run(finished, log, done_marker=marker)
+    assert marker in output and abort == f"SIGABRT after {marker!r}"
+    assert gpu_train_check.run([sys.executable, "-c", "print('ok')"], log, done_marker=marker)[2] is None
+    with pytest.raises(RuntimeError, match="failed"):
+        gpu_train_check.run([sys.executable, "-c", "import os; print('epoch 1', flush=True); os.abort()"], log,
+                            done_marker=marker)
+    with pytest.raises(RuntimeError, match=r"failed \(3\)"):  # an ordinary error exit, marker or not
+        gpu_train_check.run([sys.executable, "-c", f"print('{marker}'); raise SystemExit(3)"], log,
+                            done_marker=marker)
+    with pytest.raises(RuntimeError, match="failed"):  # without a marker (generate) every abort fails
+        gpu_train_check.run(finished, log)
