@@ -86,13 +86,17 @@ def _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MA
 
 
 @triton.jit
-def _row_status(x_ptr, valid_ptr, row, n, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
-                BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr):
-    """The row's number of valid entries and its status bits: BAD_NAN (a NaN anywhere, masked or not, as
-    backends._check_scores) | BAD_INF (+inf on a valid entry)."""
+def _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One streaming pass over the row: its number of valid entries, whether it holds a NaN (anywhere, masked or
+    not, as backends._check_scores) or +inf (on a valid entry), and its largest and smallest valid scores with
+    where they are (first occurrences): (n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at)."""
     n_valid = tl.zeros((), dtype=tl.int32)
     nan = tl.zeros((), dtype=tl.int32)
     inf = tl.zeros((), dtype=tl.int32)
+    hi = tl.full((), float("-inf"), tl.float32)
+    lo = tl.full((), float("inf"), tl.float32)
+    hi_at = tl.zeros((), dtype=tl.int32)
+    lo_at = tl.zeros((), dtype=tl.int32)
     for start in range(0, n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         raw = tl.load(x_ptr + row * n + offs_n, mask=offs_n < n, other=0.0)
@@ -100,7 +104,15 @@ def _row_status(x_ptr, valid_ptr, row, n, HAS_MASK: tl.constexpr, BLOCK_N: tl.co
         n_valid += tl.sum(keep.to(tl.int32), axis=0)
         nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
         inf = tl.maximum(inf, tl.max((keep & (x == float("inf"))).to(tl.int32), axis=0))
-    return n_valid, tl.where(nan > 0, BAD_NAN, 0) | tl.where(inf > 0, BAD_INF, 0)
+        up = tl.where(keep, x, float("-inf"))
+        down = tl.where(keep, x, float("inf"))
+        tile_hi = tl.max(up, axis=0)
+        tile_lo = tl.min(down, axis=0)
+        hi_at = tl.where(tile_hi > hi, start + tl.argmax(up, axis=0), hi_at)
+        lo_at = tl.where(tile_lo < lo, start + tl.argmin(down, axis=0), lo_at)
+        hi = tl.maximum(hi, tile_hi)
+        lo = tl.minimum(lo, tile_lo)
+    return n_valid, nan > 0, inf > 0, hi, lo, hi_at, lo_at
 
 
 @triton.jit
@@ -142,32 +154,11 @@ def _hard_boundary(above, below, SATURATION: tl.constexpr):
 
 
 @triton.jit
-def _extremes(x_ptr, valid_ptr, row, n, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The row's largest and smallest valid scores and where they are (first occurrences)."""
-    hi = tl.full((), float("-inf"), tl.float32)
-    lo = tl.full((), float("inf"), tl.float32)
-    hi_at = tl.zeros((), dtype=tl.int32)
-    lo_at = tl.zeros((), dtype=tl.int32)
-    for start in range(0, n, BLOCK_N):
-        v, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
-        up = tl.where(keep, v, float("-inf"))
-        down = tl.where(keep, v, float("inf"))
-        tile_hi = tl.max(up, axis=0)
-        tile_lo = tl.min(down, axis=0)
-        hi_at = tl.where(tile_hi > hi, start + tl.argmax(up, axis=0), hi_at)
-        lo_at = tl.where(tile_lo < lo, start + tl.argmin(down, axis=0), lo_at)
-        hi = tl.maximum(hi, tile_hi)
-        lo = tl.minimum(lo, tile_lo)
-    return hi, lo, hi_at, lo_at
-
-
-@triton.jit
-def _paper_temperature(x_ptr, valid_ptr, row, n, anchor_top, epsilon, HAS_MASK: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """The paper scaling's temperature of one row (backends.Backend.paper_temperature, soft_topk_cpu.c): the
-    cost max(v^2, (v - K)^2) at the row's largest and smallest valid scores, eps = epsilon * M / 2 (epsilon when
-    M = 0 or nothing is valid), where M sits and d eps / d x there: (eps, at, slope)."""
-    hi, lo, hi_at, lo_at = _extremes(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
+def _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon):
+    """The paper scaling's temperature of one row (backends.Backend.paper_temperature, soft_topk_cpu.c) from its
+    largest and smallest valid scores and where they are (:func:`_row_scan`): the cost max(v^2, (v - K)^2) at
+    both, eps = epsilon * M / 2 (epsilon when M = 0 or nothing is valid), where M sits and d eps / d x there:
+    (eps, at, slope)."""
     any_valid = hi > float("-inf")
     hi = tl.where(any_valid, hi, 0.0)
     lo = tl.where(any_valid, lo, 0.0)
@@ -224,10 +215,12 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     ``eps_ptr``."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
-    n_valid, status = _row_status(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N, BAD_NAN, BAD_INF)
+    # One pass for the status bits, the valid count and the extremes the paper temperature needs.
+    n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
+    status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0)
     tl.store(status_ptr + row, status)
     if PAPER:
-        eps, at, slope = _paper_temperature(x_ptr, valid_ptr, row, n, anchor_top, epsilon, HAS_MASK, BLOCK_N)
+        eps, at, slope = _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon)
         tl.store(eps_ptr + row, eps)
         tl.store(at_ptr + row, at.to(tl.int64))
         tl.store(slope_ptr + row, slope)
@@ -443,7 +436,8 @@ def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, an
                              HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     """The paper scaling's temperature of one row alone (:func:`_paper_temperature`)."""
     row = tl.program_id(0)
-    eps, at, slope = _paper_temperature(x_ptr, valid_ptr, row, n, anchor_top, epsilon, HAS_MASK, BLOCK_N)
+    _, _, _, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
+    eps, at, slope = _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon)
     tl.store(at_ptr + row, at.to(tl.int64))
     tl.store(slope_ptr + row, slope)
     tl.store(eps_ptr + row, eps)
