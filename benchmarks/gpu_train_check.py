@@ -66,8 +66,8 @@ def run(cmd, log_path, done_marker=None):
         except ValueError:
             name = f"signal {signum}"
         abort = f"{name} after {done_marker!r}"
-        print(f"gpu_train_check: warning: {cmd[2] if len(cmd) > 2 else cmd[0]} exited with {abort} "
-              f"(log: {log_path}); its work was done, counted as finished", flush=True)
+        print(f"gpu_train_check: warning: exited with {abort} (log: {log_path}); its work was done, counted as "
+              "finished", flush=True)
         return output, seconds, abort
     if proc.returncode != 0:
         raise RuntimeError(f"failed ({proc.returncode}): {' '.join(cmd)}\n{output[-4000:]}")
