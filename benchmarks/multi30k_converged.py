@@ -494,6 +494,8 @@ def report(args) -> str:
               "|---|---|---|---|---|"]
     pairs = [(f"finetune.{name}", "finetune.tf") for name in FINETUNE_RUNS if name != "tf"]
     pairs += [(f"attention.{mode}", "attention.softmax") for mode in ATTENTION if mode != "softmax"]
+    # Does the relaxation add anything over the hard top-k it relaxes (the same k, no gradient through the mask)?
+    pairs.append(("attention.soft_topk", "attention.hard_topk"))
     for system, baseline in pairs:
         for subset in ("valid", "test"):
             diffs, ps = [], []
