@@ -352,5 +352,8 @@ def test_gpu_train_check_counts_an_abort_after_done_training_as_finished_and_any
     with pytest.raises(RuntimeError, match=r"failed \(3\)"):  # an ordinary error exit, marker or not
         gpu_train_check.run([sys.executable, "-c", f"print('{marker}'); raise SystemExit(3)"], log,
                             done_marker=marker)
+    with pytest.raises(RuntimeError, match="failed"):  # run without a shell: status 134 is an exit, not SIGABRT
+        gpu_train_check.run([sys.executable, "-c", f"print('{marker}'); raise SystemExit(134)"], log,
+                            done_marker=marker)
     with pytest.raises(RuntimeError, match="failed"):  # without a marker (generate) every abort fails
         gpu_train_check.run(finished, log)
