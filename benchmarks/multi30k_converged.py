@@ -6,7 +6,9 @@
 
 Any line-aligned en-fr data works (``prepare.py`` is the WMT14 en-fr recipe's): ``--data DIR`` with
 ``DIR/train``, ``DIR/val`` and ``DIR/test_2016_flickr`` (``.en``/``.fr``; ``--valid-name``/``--test-name`` for
-other names).
+other names). One workdir and one ledger hold one data set: ``data/source.json`` records the inputs' sha256 when
+they are prepared, each ledger row the prepared data's (``data_sha256``), and ``run`` stops, before it trains, when
+``--data`` or the ledger's rows disagree with the workdir.
 
 Stages (each run is one fairseq-train command line, recorded in the ledger the moment it is scored; a run
 already in the ledger is skipped, and an interrupted one continues from its own ``checkpoint_last.pt``):
@@ -59,6 +61,7 @@ fine-tunings are skipped with a message saying so.
 import argparse
 import datetime
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -156,6 +159,36 @@ def append(path: str, row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def prepared_fingerprint(data: str) -> str:
+    """sha256 (16 hex digits) of the prepared data a run trains and is scored on: every file of ``data/bin``
+    (dictionaries, binarised splits), names and contents -- recorded in each ledger row as ``data_sha256``."""
+    digest = hashlib.sha256()
+    bin_dir = os.path.join(data, "bin")
+    for name in sorted(os.listdir(bin_dir)):
+        if os.path.isfile(os.path.join(bin_dir, name)):
+            digest.update(f"{name}\0{file_sha256(os.path.join(bin_dir, name))}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def source_files(data: str, splits: List[str]) -> Dict[str, Optional[str]]:
+    """sha256 of each raw input ``data/SPLIT.LANG`` (or its ``.gz``, as ``prepare.py`` reads it); None if missing."""
+    found = {}
+    for split in splits:
+        for lang in ("en", "fr"):
+            path = os.path.join(data, f"{split}.{lang}")
+            path = path if os.path.exists(path) or not os.path.exists(path + ".gz") else path + ".gz"
+            found[os.path.basename(path)] = file_sha256(path) if os.path.isfile(path) else None
+    return found
+
+
 def hyps_dir(ledger: str) -> str:
     """Where the scored runs' hypotheses are kept: beside the ledger (LEDGER minus .jsonl, plus .hyps)."""
     return re.sub(r"\.jsonl$", "", ledger) + ".hyps"
@@ -235,13 +268,57 @@ class Study:
         self.data = args.prepared or os.path.join(args.workdir, "data")
 
     def prepare(self) -> None:
-        if os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt")):
-            return
+        """Prepares ``--data`` into WORKDIR/data once, recording its inputs' sha256 in ``data/source.json``; a
+        later ``run`` on a workdir prepared from other inputs stops before touching anything."""
         a = self.args
-        run_logged([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", self.data,
-                    "--train", f"{a.data}/train", "--valid", f"{a.data}/{a.valid_name}",
-                    "--test", f"{a.data}/{a.test_name}", "--bpe", "sentencepiece", "--bpe-size", str(a.bpe_size),
-                    "--workers", "2"], os.path.join(self.args.workdir, "prepare.log"))
+        if a.prepared:  # another workdir's prepared data, checked against its inputs when that workdir ran
+            if not os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt")):
+                raise SystemExit(f"multi30k_converged: --prepared {a.prepared} has no bin/dict.fr.txt: give the "
+                                 "data/ folder of a workdir this driver prepared")
+            return
+        splits = ["train", a.valid_name, a.test_name]
+        inputs = source_files(a.data, splits)
+        missing = [name for name, sha in inputs.items() if sha is None]
+        if missing:
+            raise SystemExit(f"multi30k_converged: --data {a.data} lacks {', '.join(missing)} (line-aligned en-fr "
+                             f"text: {', '.join(s + '.en/.fr' for s in splits)}; --valid-name/--test-name for other "
+                             "names)")
+        source = os.path.join(self.data, "source.json")
+        prepared = os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt"))
+        if prepared and os.path.exists(source):
+            with open(source, encoding="utf-8") as f:
+                recorded = json.load(f)
+            differ = sorted(n for n in set(inputs) | set(recorded["files"])
+                            if inputs.get(n) != recorded["files"].get(n))
+            if differ:
+                raise SystemExit(f"multi30k_converged: {self.data} was prepared from {recorded['data']}, and --data "
+                                 f"{a.data} differs ({', '.join(differ)}): its runs would train on the old data. Use a "
+                                 "new --workdir (and --ledger) for this data, or the original --data")
+            return
+        if prepared:  # prepared by a version that did not record its inputs: recorded from now on
+            print(f"multi30k_converged: {source} missing (prepared by an earlier version); recording --data "
+                  f"{a.data} as its inputs", flush=True)
+        else:
+            os.makedirs(a.workdir, exist_ok=True)
+            run_logged([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", self.data,
+                        "--train", f"{a.data}/train", "--valid", f"{a.data}/{a.valid_name}",
+                        "--test", f"{a.data}/{a.test_name}", "--bpe", "sentencepiece", "--bpe-size",
+                        str(a.bpe_size), "--workers", "2"], os.path.join(a.workdir, "prepare.log"))
+        with open(source, "w", encoding="utf-8") as f:
+            json.dump({"data": os.path.abspath(a.data), "files": inputs}, f, indent=1, sort_keys=True)
+
+    def check_ledger(self) -> None:
+        """The ledger's runs were trained on this workdir's prepared data (rows record ``data_sha256``; rows of
+        earlier versions, without it, are not checked): one ledger, one data set."""
+        others = sorted(key for key, row in ledger_rows(self.ledger).items()
+                        if row.get("data_sha256", self.data_sha256) != self.data_sha256)
+        if others:
+            raise SystemExit(f"multi30k_converged: the ledger {self.ledger} has runs on other prepared data than "
+                             f"{self.data} (data_sha256 {self.data_sha256}): {', '.join(others[:5])}"
+                             f"{' ...' if len(others) > 5 else ''}. Give this data its own --ledger")
+
+    def record(self, row: dict) -> None:
+        append(self.ledger, {**row, "data_sha256": self.data_sha256})
 
     def converge_args(self) -> List[str]:
         a = self.args
@@ -296,7 +373,7 @@ class Study:
                "bleu": evaluate(self.data, os.path.join(save, "checkpoint_best.pt"), save),
                "extra": extra + shlex.split(self.args.extra_args)}
         keep_hypotheses(self.ledger, key, save)
-        append(self.ledger, row)
+        self.record(row)
         return row
 
     def pruning(self, seed: int) -> None:
@@ -317,8 +394,8 @@ class Study:
                    os.path.join(self.args.workdir, f"{key}.log"))
         with open(out, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
-        append(self.ledger, {"key": key, "stage": "pruning", "arch": "rnnsearch", "method": "pruning", "seed": seed,
-                             "rows": rows})
+        self.record({"key": key, "stage": "pruning", "arch": "rnnsearch", "method": "pruning", "seed": seed,
+                     "rows": rows})
 
     def candidates(self, run: str) -> Optional[int]:
         """--soft-beam-candidates of fine-tuning ``run``: --candidates, or with ``auto`` the pruning comparison's
@@ -408,8 +485,10 @@ class Study:
 
     def run(self) -> None:
         a = self.args
-        os.makedirs(a.workdir, exist_ok=True)
         self.prepare()
+        os.makedirs(a.workdir, exist_ok=True)
+        self.data_sha256 = prepared_fingerprint(self.data)
+        self.check_ledger()
         if "pretrain" in a.stages:
             for seed in a.seeds:
                 self.pretrain(seed)

@@ -260,6 +260,34 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
                 assert f.read() == (tmp_path / "work" / "checkpoints" / r["key"] / f"{subset}.beam5.fr").read_text()
     again = driver("run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "--extra-args", rnn)
     assert "pretrain.rnnsearch.seed1: in the ledger, skipped" in again and "finetune.tf.seed1: in the ledger" in again
+    # One workdir, one ledger, one data set: other inputs, missing inputs or a ledger of other data stop the
+    # driver before it trains or writes anything.
+    with open(tmp_path / "ledger.jsonl") as f:
+        recorded = [json.loads(line) for line in f]
+    assert len({r["data_sha256"] for r in recorded}) == 1 and len(recorded[0]["data_sha256"]) == 16
+    assert set(json.loads((tmp_path / "work" / "data" / "source.json").read_text())["files"]) == {
+        f"{split}.{lang}" for split in ("train", "val", "test_2016_flickr") for lang in ("en", "fr")}
+
+    def refused(data_dir, ledger, expected):
+        args = ["run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "--extra-args", rnn]
+        args[args.index("--data") + 1], args[args.index("--ledger") + 1] = str(data_dir), str(ledger)
+        before = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "work").rglob("*"))
+        ledger_before = (tmp_path / "ledger.jsonl").read_text()
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and expected in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+        assert sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "work").rglob("*")) == before
+        assert (tmp_path / "ledger.jsonl").read_text() == ledger_before
+
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    with open(other / "train.en", "a") as f:
+        f.write("one more line\n")
+    refused(other, tmp_path / "ledger.jsonl", "differs (train.en)")
+    (other / "val.fr").unlink()
+    refused(other, tmp_path / "ledger.jsonl", "lacks val.fr")
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text(json.dumps({**recorded[0], "key": "attention.softmax.seed9", "data_sha256": "0" * 16}) + "\n")
+    refused(data, foreign, "other prepared data")
     # Another session's workdir: the checkpoints are gone, the ledger and the kept hypotheses are not.
     shutil.rmtree(tmp_path / "work" / "checkpoints")
     skipped = driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--extra-args", rnn)
