@@ -1,5 +1,6 @@
 """``--criterion soft_beam_search`` and ``--arch rnnsearch`` through fairseq's real command lines."""
 import re
+import signal
 import socket
 import subprocess
 
@@ -70,6 +71,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+# PyTorch: a gloo process group that is not destroyed before exit (fairseq-train never destroys it) can abort
+# in gloo's worker threads during interpreter finalisation (pytorch/pytorch#179291), after all the work is done.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def exited_cleanly(proc, log):
+    """Exit 0, or the gloo teardown abort above as the process's very last words (SIGABRT)."""
+    return proc.returncode == 0 or (proc.returncode == -signal.SIGABRT
+                                    and log.rstrip().endswith(GLOO_TEARDOWN_ABORT))
+
+
 def test_distributed_two_cpu_workers(data_bin, tmp_path):
     """fairseq's own distributed training, two gloo workers on CPU, launched by hand (torchrun and fairseq's
     spawn assume CUDA); legacy_ddp because c10d DDP wants a GPU."""
@@ -81,7 +93,8 @@ def test_distributed_two_cpu_workers(data_bin, tmp_path):
          "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "distributed init (rank 1)" in "".join(logs)
+    assert all(map(exited_cleanly, procs, logs)), logs[0][-3000:] + logs[1][-3000:]
+    # the master finished training, so the other rank took part in every update's all-reduce
+    assert "done training in" in logs[0] and "distributed init (rank 1)" in "".join(logs)
     assert len(losses(logs[0])) == 3 and re.search(r"num_updates 3\b", logs[0])
     assert (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
