@@ -271,8 +271,9 @@ class Study:
         """Prepares ``--data`` into WORKDIR/data once, recording its inputs' sha256 in ``data/source.json``; a
         later ``run`` on a workdir prepared from other inputs stops before touching anything."""
         a = self.args
+        prepared = os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt"))
         if a.prepared:  # another workdir's prepared data, checked against its inputs when that workdir ran
-            if not os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt")):
+            if not prepared:
                 raise SystemExit(f"multi30k_converged: --prepared {a.prepared} has no bin/dict.fr.txt: give the "
                                  "data/ folder of a workdir this driver prepared")
             return
@@ -284,7 +285,6 @@ class Study:
                              f"text: {', '.join(s + '.en/.fr' for s in splits)}; --valid-name/--test-name for other "
                              "names)")
         source = os.path.join(self.data, "source.json")
-        prepared = os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt"))
         if prepared and os.path.exists(source):
             with open(source, encoding="utf-8") as f:
                 recorded = json.load(f)

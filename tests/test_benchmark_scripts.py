@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from file_tree import snapshot
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -271,11 +273,11 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     def refused(data_dir, ledger, expected):
         args = ["run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "--extra-args", rnn]
         args[args.index("--data") + 1], args[args.index("--ledger") + 1] = str(data_dir), str(ledger)
-        before = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "work").rglob("*"))
+        before = snapshot(tmp_path / "work")
         ledger_before = (tmp_path / "ledger.jsonl").read_text()
         out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
         assert out.returncode != 0 and expected in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
-        assert sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "work").rglob("*")) == before
+        assert snapshot(tmp_path / "work") == before
         assert (tmp_path / "ledger.jsonl").read_text() == ledger_before
 
     other = tmp_path / "other"

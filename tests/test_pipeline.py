@@ -1,12 +1,12 @@
 """The demo pipeline's pieces on a tiny slice: both BPE back-ends, toy data and files given by path, and the
 safety of re-running it (inputs checked first, workdirs never wiped, interrupted runs resumed)."""
 import dataclasses
-import hashlib
 import os
 import shutil
 
 import pytest
 
+from file_tree import snapshot
 from softtopk_fairseq.pipeline import run, text, toy_corpus
 
 
@@ -95,17 +95,6 @@ def test_pipeline_rejects_incomplete_file_arguments(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
-def _snapshot(root):
-    """Every file under ``root`` with its bytes' hash and modification time."""
-    out = {}
-    for base, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(base, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
-    return out
-
-
 def _write_pairs(prefix, n, seed, langs=("en", "fr")):
     pairs = toy_corpus.generate(n, seed)
     text.write_lines(f"{prefix}.{langs[0]}", [p[0] for p in pairs])
@@ -150,13 +139,13 @@ def test_a_finished_workdir_survives_bad_commands_and_an_interrupted_run_resumes
     assert "checkpoints/tf/checkpoint_last.pt" not in log and "num_updates 2" in log
     assert len(rows) == 4 and (work / "results.md").exists()
 
-    finished = _snapshot(work)
+    finished = snapshot(work)
     with pytest.raises(SystemExit, match="missing file"):
         run.run_pipeline(_tiny_config(tmp_path, train=tmp_path / "typo", valid=tmp_path / "v", test=tmp_path / "t"))
     with pytest.raises(SystemExit, match="holds a different run.*max_update"):
         run.run_pipeline(_tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10,
                                       topk_attn_k=2, max_update=3))
-    assert _snapshot(work) == finished
+    assert snapshot(work) == finished
 
 
 def test_a_directory_of_unknown_files_is_refused_not_wiped(tmp_path):
