@@ -4,6 +4,7 @@ each operation is issued).
 
     .venv/bin/python benchmarks/count_host_ops.py [--rows 6] [--n 40] [--k 3]
     .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20]
+    .venv/bin/python benchmarks/count_host_ops.py --topk-attention [--backend triton]
 
 On a GPU every tensor operation outside the fused kernels is at least one kernel launch, and every
 ``bool(tensor)`` / ``.item()`` a synchronisation: a soft beam-search update makes ~16 calls per batch, so these
@@ -70,6 +71,18 @@ def count(backend, scaling, sorted, rows, n, k):
     return sum(mode.ops.values()), syncs
 
 
+def count_update(backend, update):
+    """The ``HostOps`` of one call of ``update()`` (after one warm-up call) under ``use_backend(backend)``, and
+    its synchronisations."""
+    from softtopk_fairseq.ops import use_backend
+
+    with use_backend(backend):
+        update()  # compiles / warms up
+        with HostOps() as mode:
+            update()
+    return mode, sum(mode.ops[name] for name in SYNCS)
+
+
 def count_soft_beam(backend, top):
     """One soft beam-search update of the demo LSTM (rho 0.8, beam 5, eps 0.1 paper scaling, M 50) on a small
     batch (8 sentences, target length 8: 7 soft_topk calls): the criterion's loss and its backward."""
@@ -77,26 +90,37 @@ def count_soft_beam(backend, top):
     from bench_soft_beam import build_model_and_sample
 
     from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
-    from softtopk_fairseq.ops import use_backend
 
     cfg = dict(arch="lstm", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
     model, task, sample, _ = build_model_and_sample(cfg)
     criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=0.8, soft_beam_size=5,
                                         soft_beam_candidates=50, soft_topk_scaling="paper")
-
-    def update():
-        criterion(model, sample)[0].backward()
-
-    with use_backend(backend):
-        update()  # compiles / warms up
-        with HostOps() as mode:
-            update()
-    syncs = sum(mode.ops[name] for name in SYNCS)
+    mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
     print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, beam 5, M 50, paper scaling), "
           f"backend {backend}: {sum(mode.sources.values())} tensor operations (views left out), {syncs} "
           "synchronisations\n\n| issued in | operations |\n|---|---|")
     for where, n in mode.sources.most_common(top):
         print(f"| {where} | {n} |")
+
+
+def count_topk_attention(backend):
+    """One training step (label-smoothed loss and its backward) of the demo transformer and of
+    ``transformer_topk_attn`` with SOFT top-k (k 4, the unsorted operator) in all three attentions (2+2 layers:
+    6 soft_topk calls), on a small batch (8 sentences, lengths 6 / 8)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_soft_beam import build_model_and_sample
+    from bench_topk_attention import VARIANTS
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+
+    cfg = dict(arch="transformer", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
+    print(f"one training step (8 sentences, lengths 6 / 8, k 4), backend {backend}\n\n"
+          "| model | tensor operations (views left out) | synchronisations |\n|---|---|---|")
+    for name in ("transformer (softmax)", "transformer_topk_attn soft, all three"):
+        extra = dict(VARIANTS[name], topk_attn_k=4, topk_attn_epsilon=0.1) if "topk" in name else VARIANTS[name]
+        model, task, sample, _ = build_model_and_sample(cfg, extra)
+        criterion = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+        mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
+        print(f"| {name} | {sum(mode.sources.values())} | {syncs} |", flush=True)
 
 
 def main():
@@ -105,12 +129,17 @@ def main():
     parser.add_argument("--n", type=int, default=40)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--soft-beam", action="store_true", help="count one soft beam-search update instead")
+    parser.add_argument("--topk-attention", action="store_true",
+                        help="count one training step of transformer_topk_attn (and of the transformer) instead")
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "cpu"],
-                        help="--soft-beam: the soft_topk backend")
+                        help="--soft-beam, --topk-attention: the soft_topk backend")
     parser.add_argument("--top", type=int, default=20, help="--soft-beam: rows of the table")
     args = parser.parse_args()
     if args.soft_beam:
         count_soft_beam(args.backend, args.top)
+        return
+    if args.topk_attention:
+        count_topk_attention(args.backend)
         return
     print(f"one soft_topk call, forward + backward, {args.rows}x{args.n}, k={args.k}")
     print("| backend | scaling | operator | host tensor ops | synchronisations |\n|---|---|---|---|---|")

@@ -181,6 +181,40 @@ def test_sorted_ties_and_excluded_entries_among_the_top_scores(backend, scaling)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scaling", ["none", "paper"])
+@pytest.mark.parametrize("k", [1, 3, 37, 299])
+def test_unsorted_centre_and_start_for_any_k(backend, scaling, k):
+    """The unsorted kernels find the centre x_(k) and the (k+1)-th score themselves (Triton: a bisection on the
+    scores' order, 32 passes for any k): rows of negative, positive, tied, signed-zero and -inf scores, masked
+    entries, a row of fewer than k valid entries, over two blocks; output and gradients (dL/deps included
+    under the paper scaling) as the PyTorch path's."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(6, 300, generator=gen) * 3
+    x[1] = torch.randint(-2, 3, (300,), generator=gen).float()          # ties everywhere
+    x[2, ::2] = -0.0                                                   # signed zeros around the centre
+    x[2, 1::2] = 0.0
+    x[2, :5] = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5])
+    x[3] = -(torch.rand(300, generator=gen) + 1)                        # all negative
+    x[4, torch.rand(300, generator=gen) < 0.5] = -torch.inf
+    mask = torch.ones(6, 300, dtype=torch.bool)
+    mask[5, k // 2 + 1:] = False                                       # fewer than k valid (k > 1)
+    mask[0, :17] = False
+    x, mask = x.to(device), mask.to(device)
+    w = torch.randn(6, 300, generator=gen).to(device)
+    results = []
+    for b in (backend, "torch"):
+        xg = x.clone().requires_grad_()
+        out, info = soft_topk(xg, k, epsilon=0.3, mask=mask, backend=b, scaling=scaling, return_info=True)
+        (out * w).sum().backward()
+        results.append((out.detach(), xg.grad, info.iterations))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=2e-5, rtol=1e-4)
+    if 2 * k < x.shape[-1]:  # (near k = n the rows end at float32's rounding floor after differing counts)
+        assert float((results[0][2].cpu() - results[1][2].cpu()).abs().max()) <= 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_long_rows_stream_in_several_blocks(backend):
     torch.manual_seed(3)
     x = torch.randn(2, 3000, device=_device(backend))

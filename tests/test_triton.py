@@ -24,32 +24,28 @@ FWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64
        "tol": "fp32", "max_iter": "i32", "max_halvings": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
 BWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32",
        "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32", "k": "i32"}
+UFWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
+        "out_ptr": "*fp32", "info_ptr": "*fp32", "status_ptr": "*i32", "n": "i32", "k": "i32", "bound": "fp32",
+        "tol": "fp32", "max_iter": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
+UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32",
+        "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32"}
+TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
+        "n": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
+STATUS = {"SATURATION": SATURATION, "BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF}
+KERNELS = (  # kernel, signature, its flag (or None), constexprs
+    (tk.soft_topk_forward_kernel, FWD, "PAPER", {**KERNEL_CONSTANTS, **STATUS, "MP": 8}),
+    (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {"RIDGE_ULPS": KERNEL_CONSTANTS["RIDGE_ULPS"], "MP": 8}),
+    (tk.soft_topk_unsorted_forward_kernel, UFWD, "PAPER", {**UNSORTED_KERNEL_CONSTANTS, **STATUS}),
+    (tk.soft_topk_unsorted_backward_kernel, UBWD, "EPS_GRAD", {}),
+    (tk.paper_temperature_kernel, TEMP, None, {}))
 for arch in map(int, sys.argv[1:]):
-    for fn, sig, flag, extra in (
-            (tk.soft_topk_forward_kernel, FWD, "PAPER",
-             {**KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF}),
-            (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {"RIDGE_ULPS": KERNEL_CONSTANTS["RIDGE_ULPS"]})):
+    for fn, sig, flag, extra in KERNELS:
         for has_mask, on in ((True, True), (False, False)):
-            consts = {"HAS_MASK": has_mask, flag: on, "MP": 8, "BLOCK_N": 256, **extra}
+            consts = {"HAS_MASK": has_mask, "BLOCK_N": 256, **extra, **({flag: on} if flag else {})}
             signature = dict(sig, **{name: "constexpr" for name in consts})
             triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32))
             print("compiled", fn.__name__, arch, has_mask, on)
-    UFWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "centre_ptr": "*fp32", "eps_ptr": "*fp32", "bound": "fp32",
-            "tau0_ptr": "*fp32", "shift_ptr": "*fp32", "out_ptr": "*fp32", "info_ptr": "*fp32", "n": "i32",
-            "k": "i32", "tol": "fp32", "max_iter": "i32"}
-    UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "grad_ptr": "*fp32",
-            "n": "i32"}
-    TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
-            "n": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
-    for fn, sig, extra in ((tk.soft_topk_unsorted_forward_kernel, UFWD, UNSORTED_KERNEL_CONSTANTS),
-                           (tk.soft_topk_unsorted_backward_kernel, UBWD, {}), (tk.paper_temperature_kernel, TEMP, {})):
-        for has_mask in (True, False):
-            consts = {"HAS_MASK": has_mask, "BLOCK_N": 256, **extra}
-            signature = dict(sig, **{name: "constexpr" for name in consts})
-            triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                           target=GPUTarget("cuda", arch, 32))
-            print("compiled", fn.__name__, arch, has_mask)
 """
 
 

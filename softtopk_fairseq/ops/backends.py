@@ -14,9 +14,8 @@ both on (rows, n) scores with ``-inf`` on excluded entries and the caller's ``ma
 backend it holds. Inside, the shared preparation calls the hooks ``row_top``, ``forward`` and ``backward``,
 which the fused backends override. Where a kernel does the preparation itself (one call each way instead of a
 few dozen tensor operations) its backend overrides the entry points instead: the C backend for the unsorted
-operator, the Triton backend for the sorted one (the operator of the soft beam search, where on a GPU those
-operations cost more host time than the solve), each with ``solve_paper`` computing the paper scaling's
-temperature in the same kernel.
+operator, the Triton backend for both (on a GPU those operations cost more host time than the solve), each
+with ``solve_paper`` computing the paper scaling's temperature in the same kernel.
 
 ``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
@@ -147,10 +146,10 @@ class Backend:
 
 class FusedBackend(Backend):
     """Newton forward and closed-form backward in one kernel launch each. Subclasses set ``kernels`` (a
-    module with ``padded_anchors``, ``forward`` and ``backward`` of one signature unless the subclass overrides
-    ``solve`` / ``gradients`` for the sorted operator, as the Triton backend does, and ``unsorted_forward`` /
-    ``unsorted_backward`` unless it overrides them for the unsorted operator, as the C backend does) and say
-    where they run."""
+    module with ``padded_anchors``, ``forward`` and ``backward`` for the sorted operator after the shared
+    preparation, the hooks below, unless the subclass overrides ``solve`` / ``gradients`` for it, as the Triton
+    backend does) and say where they run. The unsorted operator's entry points are always the subclass's own
+    (one kernel each way from the raw scores, in both)."""
 
     kernels = None
 
@@ -167,13 +166,9 @@ class FusedBackend(Backend):
         return False
 
     def forward(self, x, valid, n_valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method):
-        """Sorted: the damped Newton solve of ``solvers.newton_semi_dual``; unsorted: the scalar root per row
-        of ``solvers.newton_sigmoid_root``; each in one kernel launch, from the same starting thresholds."""
+        """The sorted operator's damped Newton solve (``solvers.newton_semi_dual``) in one kernel launch, from the
+        same starting thresholds."""
         mask = None if all_valid else valid
-        if not sorted:  # two anchors: the scalar root per row, as the PyTorch path solves it
-            tau0, shift = solvers.unsorted_start(u_top, n_valid, k)
-            return self._launch(self.kernels.unsorted_forward, x, mask, centre, eps, bound, tau0, shift, k, tol,
-                                max_iter)
         _, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
         rows, m = c.shape
         # Starting thresholds from the normalised top scores (x is read only for its shape and dtype).
@@ -192,10 +187,8 @@ class FusedBackend(Backend):
                             tol, max_iter)
 
     def backward(self, grad_out, out, valid, eps, k, sorted):
+        """The sorted operator's closed-form backward in one kernel launch."""
         n_valid = valid.sum(-1)
-        if not sorted:
-            mask = None if bool((n_valid == valid.shape[-1]).all()) else valid
-            return self._launch(self.kernels.unsorted_backward, out, grad_out, mask, eps)
         y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
         y_pad = out.new_zeros(self.kernels.padded_anchors(c.shape[-1]))
         y_pad[: y.shape[0]] = y
@@ -281,31 +274,26 @@ class TritonBackend(FusedBackend):
         return x.is_cuda
 
     def paper_temperature(self, x, mask, anchor_top, epsilon):
-        return self._launch(self.kernels.paper_temperature, x, valid_entries(x, mask), anchor_top, epsilon)
+        return self._launch(self.kernels.paper_temperature, x, mask, anchor_top, epsilon)  # (-inf: excluded there)
 
-    # The sorted operator: one kernel each way from the raw scores, the preparation included (on a GPU the
-    # few dozen small tensor operations of Backend.solve cost more host time than the solve itself).
+    # Both operators: one kernel each way from the raw scores, the preparation included (on a GPU the few
+    # dozen small tensor operations of Backend.solve cost more host time than the solve itself).
     def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
-        if not sorted:
-            return super().solve(x, mask, eps, k, sorted, tol, max_iter, method)
-        out, info, status, _, _, _ = self._launch(self.kernels.forward, x, mask, eps, k, score_bound(x.dtype, k),
-                                                  tol, max_iter)
+        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
+        out, info, status, _, _, _ = self._launch(forward, x, mask, eps, k, score_bound(x.dtype, k), tol, max_iter)
         _raise_for_row_status(status)
         return out, info
 
     def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
-        if not sorted:
-            return super().solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method)
-        out, info, status, eps, at, slope = self._launch(self.kernels.forward, x, mask, None, k,
-                                                         score_bound(x.dtype, k), tol, max_iter,
-                                                         (anchor_top, epsilon))
+        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
+        out, info, status, eps, at, slope = self._launch(forward, x, mask, None, k, score_bound(x.dtype, k), tol,
+                                                         max_iter, (anchor_top, epsilon))
         _raise_for_row_status(status)
         return out, info, eps, at, slope
 
     def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
-        if not sorted:
-            return super().gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad)
-        grad_x, grad_eps = self._launch(self.kernels.backward, out, grad_out, x, mask, eps, k, eps_grad)
+        backward = self.kernels.backward if sorted else self.kernels.unsorted_backward
+        grad_x, grad_eps = self._launch(backward, out, grad_out, x, mask, eps, k, eps_grad)
         return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
 
     def _launch(self, fn, *args):

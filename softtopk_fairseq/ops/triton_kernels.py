@@ -1,9 +1,9 @@
-"""Fused Triton kernels for SOFT top-k on CUDA tensors. The sorted operator is one launch each way, from the
-raw scores: on a GPU a soft beam-search update is bound by the host issuing operations, not by the GPU, so
-everything a call needs is done inside the kernel. The math is the one of ``solvers.py`` / ``backward.py`` and
-the schedule the one of the C kernels (``soft_topk_cpu.c``): same threshold parameterisation, same two starting
-points, same damping rule (trust region of ``MAX_STEP`` on the potentials, then halving, accepted when the
-marginal error drops), same Hessian and ridge. The solver constants are ``solvers.KERNEL_CONSTANTS`` (and
+"""Fused Triton kernels for SOFT top-k on CUDA tensors. Each operator, sorted and unsorted, is one launch each
+way, from the raw scores: on a GPU a soft beam-search update, or a training step of top-k attention, is bound by
+the host issuing operations, not by the GPU, so everything a call needs is done inside the kernel. The math is
+the one of ``solvers.py`` / ``backward.py`` and the schedule the one of the C kernels (``soft_topk_cpu.c``):
+same threshold parameterisation, same two starting points, same damping rule (trust region of ``MAX_STEP`` on
+the potentials, then halving, accepted when the marginal error drops), same Hessian and ridge. The solver constants are ``solvers.KERNEL_CONSTANTS`` (and
 ``SATURATION``), passed in as constexpr arguments (never restated here).
 
 * sorted forward (:func:`forward`): one program per row. It streams the row's raw scores to find what
@@ -17,8 +17,12 @@ marginal error drops), same Hessian and ridge. The solver constants are ``solver
   the output.
 * sorted backward (:func:`backward`): three streaming passes per row -- the valid count, then ``v`` and ``M``,
   then the gradient (and dL/deps, ``backward.temperature_grad``, in the same pass).
-* unsorted forward / backward: the scalar root per row, from the starting point ``backends.FusedBackend``
-  prepares (the same inputs as the C kernels'), and the paper scaling's temperature alone.
+* unsorted forward (:func:`unsorted_forward`): one program per row, from the raw scores too, as the C unsorted
+  kernel: the same scan (valid entries, status bits, extremes, the paper temperature), the centre x_(k) and
+  the next score by a bisection on the scores' order (32 passes whatever k is), the start
+  (``solvers.unsorted_start``), then the scalar root of ``solvers.newton_sigmoid_root``.
+* unsorted backward (:func:`unsorted_backward`): two passes per row, dL/deps in the second.
+* the paper scaling's temperature alone (:func:`paper_temperature`).
 
 Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
 (``TRITON_INTERPRET=1``) runs it on CPU tensors for the tests.
@@ -179,6 +183,26 @@ def _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon):
 
 
 @triton.jit
+def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row, n, anchor_top, epsilon,
+                          HAS_MASK: tl.constexpr, PAPER: tl.constexpr, BLOCK_N: tl.constexpr, BAD_NAN: tl.constexpr,
+                          BAD_INF: tl.constexpr):
+    """A forward's first pass over its row (:func:`_row_scan`): stores the row's status bits and, with ``PAPER``,
+    the paper scaling's temperature (eps, at, slope), else reads eps; returns (n_valid, status, the largest and
+    the smallest valid score, eps)."""
+    n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
+    status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0)
+    tl.store(status_ptr + row, status)
+    if PAPER:
+        eps, at, slope = _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon)
+        tl.store(eps_ptr + row, eps)
+        tl.store(at_ptr + row, at.to(tl.int64))
+        tl.store(slope_ptr + row, slope)
+    else:
+        eps = tl.load(eps_ptr + row)
+    return n_valid, status, hi, lo, eps
+
+
+@triton.jit
 def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     """Solve (diag(s) - P P^T) x = rhs on the free anchors (active, not the pinned last one); x = 0 elsewhere."""
     lane = tl.arange(0, MP)
@@ -215,17 +239,9 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     ``eps_ptr``."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
-    # One pass for the status bits, the valid count and the extremes the paper temperature needs.
-    n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
-    status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0)
-    tl.store(status_ptr + row, status)
-    if PAPER:
-        eps, at, slope = _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon)
-        tl.store(eps_ptr + row, eps)
-        tl.store(at_ptr + row, at.to(tl.int64))
-        tl.store(slope_ptr + row, slope)
-    else:
-        eps = tl.load(eps_ptr + row)
+    n_valid, status, _, _, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row,
+                                                       n, anchor_top, epsilon, HAS_MASK, PAPER, BLOCK_N, BAD_NAN,
+                                                       BAD_INF)
     # Anchors 0..k-1 (ranks) hold 1 each while there are valid entries for them; anchor k the other n - k.
     c = tl.where(lane < k, (lane < n_valid).to(tl.float32), 0.0)
     c = tl.where(lane == k, tl.maximum(n_valid - k, 0).to(tl.float32), c)
@@ -371,31 +387,71 @@ def _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK: t
 
 
 @triton.jit
-def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bound, tau0_ptr, shift_ptr, out_ptr,
-                                      info_ptr, n, k, tol, max_iter, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
-                                      LOG_STEP_FRACTION: tl.constexpr):
-    """The unsorted operator as one monotone root per row (solvers.newton_sigmoid_root, soft_topk_cpu.c):
+def _order_key(x):
+    """int32 keys in the order of the float32 scores x (-0.0 just below +0.0): negative floats, whose bits read
+    as negative integers in the reverse order, get their magnitude bits flipped."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _kth_largest(x_ptr, valid_ptr, row, n, kk, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The ``kk``-th (>= 1) and ``kk+1``-th largest valid scores of ``row`` (ties counted, as in a sorted list;
+    the second ``-inf`` past the valid ones): a bisection on the scores' order keys, the largest key ``K`` with
+    at least ``kk`` valid keys >= K -- 32 streaming passes whatever ``kk`` is (a pass per distinct value, as
+    :func:`_row_top` takes, would be up to ``kk`` + 1) -- then one pass for the next score. (A row with fewer
+    than ``kk`` valid scores gets its smallest; with none, NaN: the caller substitutes.)"""
+    lo = tl.full((), -2147483648, tl.int64)  # count(key >= lo) >= kk holds for lo = the smallest key
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in tl.static_range(32):  # the key range, 2^32, halves per pass
+        mid = (lo + hi + 1) >> 1
+        count = tl.zeros((), dtype=tl.int32)
+        for start in range(0, n, BLOCK_N):
+            x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+            count += tl.sum((keep & (_order_key(x).to(tl.int64) >= mid)).to(tl.int32), axis=0)
+        lo = tl.where(count >= kk, mid, lo)
+        hi = tl.where(count >= kk, hi, mid - 1)
+    key = lo.to(tl.int32)
+    kth = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+    at_or_above = tl.zeros((), dtype=tl.int32)
+    below = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, n, BLOCK_N):
+        x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        higher = _order_key(x) >= key
+        at_or_above += tl.sum((keep & higher).to(tl.int32), axis=0)
+        below = tl.maximum(below, tl.max(tl.where(keep & ~higher, x, float("-inf")), axis=0))
+    return kth, tl.where(at_or_above > kk, kth, below)
+
+
+@triton.jit
+def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr,
+                                      n, k, bound, tol, max_iter, anchor_top, epsilon, HAS_MASK: tl.constexpr,
+                                      PAPER: tl.constexpr, BLOCK_N: tl.constexpr, LOG_STEP_FRACTION: tl.constexpr,
+                                      SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr):
+    """The unsorted operator of one row from its raw scores (soft_topk_cpu.c's unsorted forward): the checks,
+    the temperature (``PAPER``: the paper scaling's, written to eps/at/slope; else read from ``eps_ptr``), the
+    centre x_(k), the hard-assignment start (solvers.unsorted_start), then solvers.newton_sigmoid_root:
     safeguarded Newton on f(tau) = sum_i sigmoid(u_i - tau) - k inside [u_min + shift, u_max + shift], in log
     space from the tail."""
     row = tl.program_id(0)
-    centre = tl.load(centre_ptr + row)
-    eps = tl.load(eps_ptr + row)
-    u_min = tl.full((), float("inf"), tl.float32)
-    u_max = tl.full((), float("-inf"), tl.float32)
-    n_valid = tl.zeros((), dtype=tl.int32)
-    for start in range(0, n, BLOCK_N):
-        u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
-        u_min = tl.minimum(u_min, tl.min(tl.where(keep, u, float("inf")), axis=0))
-        u_max = tl.maximum(u_max, tl.max(tl.where(keep, u, float("-inf")), axis=0))
-        n_valid += tl.sum(keep.to(tl.int32), axis=0)
-    solve = n_valid > k
-    shift = tl.load(shift_ptr + row)
+    n_valid, status, top0, lowest, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr,
+                                                               status_ptr, row, n, anchor_top, epsilon, HAS_MASK,
+                                                               PAPER, BLOCK_N, BAD_NAN, BAD_INF)
+    # The centre x_(k) (the smallest valid score when fewer than k are valid; 0 for an empty row) and the next.
+    above, below = _kth_largest(x_ptr, valid_ptr, row, n, tl.maximum(tl.minimum(n_valid, k), 1), HAS_MASK, BLOCK_N)
+    centre = tl.where((n_valid > 0) & (tl.abs(above) < float("inf")), above, 0.0)
+    solve = (n_valid > k) & (status == 0)  # a bad row is reported, not solved
+    # The bracket and the two starts (solvers.unsorted_start): the normalisation is monotone, so the bracket's
+    # ends come from the extreme scores; shift = log((n - k) / k).
+    shift = tl.where(solve, tl.log(tl.maximum(n_valid - k, 1).to(tl.float32)) - tl.log(k * 1.0), 0.0)
+    lo = tl.minimum(tl.maximum(tl.div_rn(lowest - centre, eps), -bound), bound) + shift
+    hi = tl.minimum(tl.maximum(tl.div_rn(top0 - centre, eps), -bound), bound) + shift
+    u_above = tl.minimum(tl.maximum(tl.div_rn(above - centre, eps), -bound), bound)
+    u_below = tl.minimum(tl.maximum(tl.div_rn(below - centre, eps), -bound), bound)
+    tau = tl.where(solve, _hard_boundary(u_above, u_below, SATURATION), 0.0)
     scale = tl.maximum(tl.minimum(k, n_valid - k), 1).to(tl.float32)
     log_step = k * 1.0 <= LOG_STEP_FRACTION * n_valid.to(tl.float32)  # Newton in log space from the tail
     log_k = tl.log(k * 1.0)
-    lo = u_min + shift
-    hi = u_max + shift
-    tau = tl.load(tau0_ptr + row)
     mass, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK, BLOCK_N)
     mass2, slope2 = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau + shift, HAS_MASK, BLOCK_N)
     f = mass - k
@@ -406,7 +462,7 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, centre_ptr, eps_ptr, bou
     slope = tl.where(better, slope2, slope)
     err = tl.where(solve, tl.abs(f) / scale, 0.0)
     it = tl.full((), 0, tl.int32)
-    going = err > tol
+    going = (err > tol) & solve
     while going & (it < max_iter):
         lo = tl.where(f > 0, tl.maximum(lo, tau), lo)  # f decreases in tau: the root is above
         hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
@@ -444,35 +500,40 @@ def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, an
 
 
 @triton.jit
-def _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The unsorted output A and the upstream gradient G at elements start..start+BLOCK_N (0 where invalid)."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    keep = offs_n < n
-    if HAS_MASK:
-        keep = keep & (tl.load(valid_ptr + row * n + offs_n, mask=offs_n < n, other=0) != 0)
-    a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
-    g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
-    return a, g, keep, offs_n
-
-
-@triton.jit
-def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, valid_ptr, eps_ptr, grad_ptr, n, HAS_MASK: tl.constexpr,
-                                       BLOCK_N: tl.constexpr):
-    """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (backward.sigmoid_grad)."""
+def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n,
+                                       HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (backward.sigmoid_grad), over the valid
+    entries of the raw scores x; with ``EPS_GRAD`` also dL/deps (backward.temperature_grad)."""
     row = tl.program_id(0)
     num = tl.zeros((), dtype=tl.float32)
     den = tl.zeros((), dtype=tl.float32)
+    n_valid = tl.zeros((), dtype=tl.int32)
+    x_sum = tl.zeros((), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
-        a, g, keep, offs_n = _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
+        g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
         w = a * (1.0 - a)
         num += tl.sum(g * w, axis=0)
         den += tl.sum(w, axis=0)
+        n_valid += tl.sum(keep.to(tl.int32), axis=0)
+        x_sum += tl.sum(x, axis=0)
     mean_g = num / tl.maximum(den, 1.1754943508222875e-38)
-    inv_eps = 1.0 / tl.load(eps_ptr + row)
+    eps = tl.load(eps_ptr + row)
+    x_mean = x_sum / tl.maximum(n_valid, 1).to(tl.float32)
+    moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
     for start in range(0, n, BLOCK_N):
-        a, g, keep, offs_n = _output_and_grad_tile(out_ptr, g_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
-        grad = a * (1.0 - a) * (g - mean_g) * inv_eps
-        tl.store(grad_ptr + row * n + offs_n, tl.where(keep, grad, 0.0), mask=offs_n < n)
+        x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
+        g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+        grad = tl.where(keep, a * (1.0 - a) * (g - mean_g) / eps, 0.0)
+        tl.store(grad_ptr + row * n + offs_n, grad, mask=offs_n < n)
+        if EPS_GRAD:
+            moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
+    if EPS_GRAD:
+        tl.store(grad_eps_ptr + row, -moment / eps)
 
 
 def padded_anchors(m: int) -> int:
@@ -490,6 +551,17 @@ def warps_for(block: int, mp: int) -> int:
     return 8 if block * mp * mp >= 16384 else 4
 
 
+def _temperature_outputs(x, eps, paper):
+    """A forward's temperature arguments: with ``paper = (anchor_top, epsilon)`` the eps, at and slope tensors
+    the kernel fills, else the given eps and None, None; then anchor_top and epsilon (0 without paper)."""
+    if paper is None:
+        return eps, None, None, 0.0, 0.0
+    rows = x.shape[0]
+    return (torch.empty((rows,), dtype=torch.float32, device=x.device),
+            torch.empty((rows,), dtype=torch.int64, device=x.device),
+            torch.empty((rows,), dtype=torch.float32, device=x.device), *paper)
+
+
 @ensure_contiguous
 def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, block=None, num_warps=None):
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
@@ -504,13 +576,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, b
     out = torch.empty((rows, n, k), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
-    anchor_top, epsilon = paper if paper is not None else (0.0, 0.0)
-    if paper is not None:
-        eps = torch.empty((rows,), dtype=torch.float32, device=x.device)
-        at = torch.empty((rows,), dtype=torch.int64, device=x.device)
-        slope = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    else:
-        at = slope = None
+    eps, at, slope, anchor_top, epsilon = _temperature_outputs(x, eps, paper)
     soft_topk_forward_kernel[(rows,)](
         x, mask if mask is not None else x, eps, at if at is not None else info,
         slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
@@ -542,38 +608,44 @@ def unsorted_block(n: int) -> int:
 
 
 @ensure_contiguous
-def unsorted_forward(x, valid, centre, eps, bound, tau0, shift, k, tol, max_iter):
-    """Launch the unsorted forward (the same arguments as ``cpu_kernels.unsorted_forward``)."""
+def unsorted_forward(x, mask, eps, k, bound, tol, max_iter, paper=None):
+    """Launch the unsorted forward on raw scores: the arguments and results of :func:`forward`, the output
+    (rows, n)."""
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
-    has_mask = valid is not None
+    status = torch.empty((rows,), dtype=torch.int32, device=x.device)
+    eps, at, slope, anchor_top, epsilon = _temperature_outputs(x, eps, paper)
     soft_topk_unsorted_forward_kernel[(rows,)](
-        x, valid if has_mask else x, centre, eps, float(bound), tau0, shift, out, info, n, k, float(tol),
-        int(max_iter), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n), **UNSORTED_KERNEL_CONSTANTS)
-    return out, info
+        x, mask if mask is not None else x, eps, at if at is not None else info, slope if slope is not None else info,
+        out, info, status, n, k, float(bound), float(tol), int(max_iter), float(anchor_top), float(epsilon),
+        HAS_MASK=mask is not None, PAPER=paper is not None, BLOCK_N=unsorted_block(n), SATURATION=SATURATION,
+        BAD_NAN=BAD_NAN, BAD_INF=BAD_INF, **UNSORTED_KERNEL_CONSTANTS)
+    return out, info, status, eps, at, slope
 
 
 @ensure_contiguous
-def unsorted_backward(out, grad_out, valid, eps):
-    """Launch the unsorted backward (the same arguments as ``cpu_kernels.unsorted_backward``)."""
-    rows, n = out.shape
-    grad = torch.empty((rows, n), dtype=torch.float32, device=out.device)
-    has_mask = valid is not None
-    soft_topk_unsorted_backward_kernel[(rows,)](out, grad_out, valid if has_mask else out, eps, grad, n,
-                                                HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
-    return grad
+def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad):
+    """Launch the unsorted backward: the arguments and results of :func:`backward` (``k`` unused: the gradient
+    does not depend on it)."""
+    rows, n = x.shape
+    grad = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    grad_eps = torch.empty((rows,), dtype=torch.float32, device=x.device) if eps_grad else None
+    soft_topk_unsorted_backward_kernel[(rows,)](
+        out, grad_out, x, mask if mask is not None else x, eps, grad, grad_eps if eps_grad else grad, n,
+        HAS_MASK=mask is not None, EPS_GRAD=bool(eps_grad), BLOCK_N=unsorted_block(n))
+    return grad, grad_eps
 
 
 @ensure_contiguous
-def paper_temperature(x, valid, anchor_top, epsilon):
+def paper_temperature(x, mask, anchor_top, epsilon):
     """Launch the paper-scaling temperature (the same arguments and results as ``cpu_kernels.paper_temperature``:
     ``eps``, ``at`` int64, ``slope``, each (rows,))."""
     rows, n = x.shape
     eps = torch.empty((rows,), dtype=torch.float32, device=x.device)
     slope = torch.empty((rows,), dtype=torch.float32, device=x.device)
     at = torch.empty((rows,), dtype=torch.int64, device=x.device)
-    has_mask = valid is not None
-    paper_temperature_kernel[(rows,)](x, valid if has_mask else x, eps, at, slope, n, float(anchor_top),
+    has_mask = mask is not None
+    paper_temperature_kernel[(rows,)](x, mask if has_mask else x, eps, at, slope, n, float(anchor_top),
                                       float(epsilon), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
     return eps, at, slope
