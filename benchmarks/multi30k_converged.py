@@ -73,6 +73,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from jsonl_ledger import append_row, mean_std, rows_by_key
 from softtopk_fairseq.pipeline.run import run_logged
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,20 +144,6 @@ def sweep_choice(rows: Dict[str, dict], seed: int) -> Optional[str]:
     if len(val) < len(SWEEP):
         return None
     return max(SWEEP, key=lambda name: (val[name], -SWEEP.index(name)))
-
-
-def ledger_rows(path: str) -> Dict[str, dict]:
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return {r["key"]: r for r in map(json.loads, filter(str.strip, f))}
-
-
-def append(path: str, row: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
-    print(json.dumps(row), flush=True)
 
 
 def file_sha256(path: str) -> str:
@@ -310,7 +297,7 @@ class Study:
     def check_ledger(self) -> None:
         """The ledger's runs were trained on this workdir's prepared data (rows record ``data_sha256``; rows of
         earlier versions, without it, are not checked): one ledger, one data set."""
-        others = sorted(key for key, row in ledger_rows(self.ledger).items()
+        others = sorted(key for key, row in rows_by_key(self.ledger).items()
                         if row.get("data_sha256", self.data_sha256) != self.data_sha256)
         if others:
             raise SystemExit(f"multi30k_converged: the ledger {self.ledger} has runs on other prepared data than "
@@ -318,7 +305,7 @@ class Study:
                              f"{' ...' if len(others) > 5 else ''}. Give this data its own --ledger")
 
     def record(self, row: dict) -> None:
-        append(self.ledger, {**row, "data_sha256": self.data_sha256})
+        append_row(self.ledger, {**row, "data_sha256": self.data_sha256})
 
     def converge_args(self) -> List[str]:
         a = self.args
@@ -333,7 +320,7 @@ class Study:
               save_as: Optional[str] = None) -> Optional[dict]:
         """One fairseq-train run and its scores, recorded; skipped when the ledger has it. ``save_as``: the
         checkpoint directory's name when it is not ``key`` (a rerun trains into its original's)."""
-        done = ledger_rows(self.ledger)
+        done = rows_by_key(self.ledger)
         if key in done:
             print(f"{key}: in the ledger, skipped", flush=True)
             return done[key]
@@ -380,7 +367,7 @@ class Study:
         """Item 3: on the converged checkpoint of ``seed``, M = 50 / 200 / exact for the paper's setting and topk
         bookkeeping in nats (``soft_beam_pruning.py``), the rows recorded as one ledger entry."""
         key = f"pruning.rnnsearch.seed{seed}"
-        if key in ledger_rows(self.ledger):
+        if key in rows_by_key(self.ledger):
             print(f"{key}: in the ledger, skipped", flush=True)
             return
         start = self.pretrained(seed)
@@ -404,7 +391,7 @@ class Study:
             return int(self.args.candidates)
         if run not in PRUNING_SETTING:  # teacher forcing: no beam search, M unused
             return 0
-        pruning = [r for r in ledger_rows(self.ledger).values() if r["stage"] == "pruning"]
+        pruning = [r for r in rows_by_key(self.ledger).values() if r["stage"] == "pruning"]
         m = chosen_candidates(pruning[0]["rows"], PRUNING_SETTING[run]) if pruning else None
         if m is None:
             print(f"finetune {run}: --candidates auto needs the pruning comparison at setting "
@@ -423,7 +410,7 @@ class Study:
         if name != BEST:
             return name
         seed = self.sweep_seed
-        chosen = sweep_choice(ledger_rows(self.ledger), seed)
+        chosen = sweep_choice(rows_by_key(self.ledger), seed)
         if chosen is None:
             print(f"finetune {BEST}: the sweep ({', '.join(SWEEP)}) is not complete at seed {seed} in the ledger "
                   "(run --stages sweep first), skipped", flush=True)
@@ -435,7 +422,7 @@ class Study:
         """The fine-tunings ``names`` (FINETUNE_RUNS) from the converged checkpoint of ``seed``, those not in the
         ledger yet: equal budget, optimizer and schedule; scored at the best validation."""
         a = self.args
-        done = ledger_rows(self.ledger)
+        done = rows_by_key(self.ledger)
         names = list(dict.fromkeys(names))  # (soft_beam_best may be one of the others)
         for name in names:
             if f"finetune.{name}.seed{seed}" in done:
@@ -473,7 +460,7 @@ class Study:
         path = os.path.join(self.args.workdir, "checkpoints", key, "checkpoint_best.pt")
         if os.path.exists(path):
             return path
-        if key not in ledger_rows(self.ledger):
+        if key not in rows_by_key(self.ledger):
             print(f"seed {seed}: no converged pre-training yet (run --stages pretrain), skipped", flush=True)
             return None
         if not self.args.retrain_missing:
@@ -535,14 +522,6 @@ def hypotheses(args, ledger: str, key: str, subset: str) -> str:
     return kept if os.path.exists(kept) else os.path.join(args.workdir, "checkpoints", key, f"{subset}.beam{BEAM}.fr")
 
 
-def mean_std(values: List[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
 def wall_seconds(row: dict) -> float:
     """A run's training seconds over all its starts when the row has them (rows before ``train_s_starts``: the
     last start only)."""
@@ -551,7 +530,7 @@ def wall_seconds(row: dict) -> float:
 
 def report(args) -> str:
     ledger = args.ledger or os.path.join(args.workdir, "ledger.jsonl")
-    rows = ledger_rows(ledger)
+    rows = rows_by_key(ledger)
     data = args.prepared or os.path.join(args.workdir, "data")
     lines = ["| run | seeds | converged | updates (best / total) | BLEU val | BLEU test | train s |",
              "|---|---|---|---|---|---|---|"]

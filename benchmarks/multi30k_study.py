@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Dict, List
 
+from jsonl_ledger import append_row, mean_std, rows_by_key
 from softtopk_fairseq.pipeline.run import run_logged
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,18 +100,12 @@ def sh(cmd: List[str], log: str, env_extra=None) -> str:
 
 
 def load_results(workdir: str) -> Dict[str, dict]:
-    """Recorded runs by key; a key recorded again (e.g. later scored on test too) takes its last row."""
-    path = os.path.join(workdir, "results.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return {r["key"]: r for r in map(json.loads, f)}
+    """Recorded runs by key (the last row of each)."""
+    return rows_by_key(os.path.join(workdir, "results.jsonl"))
 
 
 def record(workdir: str, row: dict) -> None:
-    with open(os.path.join(workdir, "results.jsonl"), "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    append_row(os.path.join(workdir, "results.jsonl"), row)
 
 
 def evaluate(data: str, ckpt: str, subsets: List[str]) -> Dict[str, float]:
@@ -200,12 +195,6 @@ def run(args) -> None:
                                 both, done, seed=seed, updates=args.attention_updates)
 
 
-def _mean_std(values: List[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
 def report(args) -> str:
     rows = list(load_results(args.workdir).values())
     groups: Dict[str, List[dict]] = {}
@@ -223,7 +212,7 @@ def report(args) -> str:
         nll = [v for v in (final_valid(os.path.join(args.workdir, "checkpoints", r["key"], "train.log"), "nll_loss")
                            for r in rs) if v is not None]
         nll_cell = f"{statistics.mean(nll):.3f}" if nll else "-"
-        lines.append(f"| {group} | {len(rs)} | {_mean_std(val)} | {_mean_std(test) if test else '-'} | {nll_cell} | "
+        lines.append(f"| {group} | {len(rs)} | {mean_std(val)} | {mean_std(test) if test else '-'} | {nll_cell} | "
                      f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
     # Per-run details at the first seed (the sweep's seed): what the training log says about each objective.
     seed = "seed1"

@@ -176,6 +176,7 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(script, tmp_path):
 def test_converged_study_picks_the_sweeps_best_on_val_once_the_sweep_is_complete(tmp_path, capsys):
     sys.path.insert(0, BENCH)
     import multi30k_converged as converged
+    from jsonl_ledger import append_row, rows_by_key
 
     ledger = tmp_path / "ledger.jsonl"
     args = argparse.Namespace(ledger=str(ledger), workdir=str(tmp_path), prepared=None, sweep_seed=2, seeds=[1, 2, 3])
@@ -185,13 +186,13 @@ def test_converged_study_picks_the_sweeps_best_on_val_once_the_sweep_is_complete
     for i, (name, bleu) in enumerate(val.items()):
         assert study.run_name(converged.BEST) is None  # the sweep is not complete yet
         assert "not complete at seed 2" in capsys.readouterr().out
-        converged.append(str(ledger), {"key": f"finetune.{name}.seed2", "stage": "finetune", "seed": 2,
-                                       "bleu": {"valid": bleu, "test": 50.0 - i}})
-    converged.append(str(ledger), {"key": "finetune.soft_beam_nats.seed1", "stage": "finetune", "seed": 1,
-                                   "bleu": {"valid": 99.0, "test": 0.0}})  # another seed: not the sweep's
+        append_row(str(ledger), {"key": f"finetune.{name}.seed2", "stage": "finetune", "seed": 2,
+                                 "bleu": {"valid": bleu, "test": 50.0 - i}})
+    append_row(str(ledger), {"key": "finetune.soft_beam_nats.seed1", "stage": "finetune", "seed": 1,
+                             "bleu": {"valid": 99.0, "test": 0.0}})  # another seed: not the sweep's
     # the best val BLEU at the sweep seed, the earlier in SWEEP on a tie; test BLEU plays no part
     assert study.run_name(converged.BEST) == "soft_beam_topk_bookkeeping"
-    rows = converged.ledger_rows(str(ledger))
+    rows = rows_by_key(str(ledger))
     assert converged.sweep_choice(rows, 1) is None
     assert converged.sweep_choice({**rows, "finetune.soft_beam_paper.seed2": {"bleu": {"valid": 41.5}}}, 2) \
         == "soft_beam_paper"
