@@ -69,9 +69,10 @@ def test_paper_temperature_matches_the_torch_path(backend):
         assert float(got[2][5]) == 0.0 and float(got[0][5]) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("n", [30, 100])  # rows solved 16 at a time (n <= 64), and one by one
-def test_cpu_unsorted_forward_computes_the_paper_temperature_it_solves_at(n):
-    """Under the paper scaling the C unsorted forward computes the temperature in its own pass over the scores
+@pytest.mark.parametrize("sorted", [False, True])
+@pytest.mark.parametrize("n", [30, 100])  # unsorted: rows solved 16 at a time (n <= 64), and one by one
+def test_cpu_forward_computes_the_paper_temperature_it_solves_at(n, sorted):
+    """Under the paper scaling the C forwards compute the temperature in their own pass over the scores
     (``CpuBackend.solve_paper``): the same (eps, at, slope) as the PyTorch path's definition -- ties at a row's
     maximum or minimum (the first occurrence), masks, -inf, a row of one valid entry and an empty row -- and
     the same output and info as solving at that temperature given."""
@@ -93,14 +94,14 @@ def test_cpu_unsorted_forward_computes_the_paper_temperature_it_solves_at(n):
     mask[8] = False                                    # nothing valid
     x[36, :] = 0.5                                     # all equal (a row past the last full group)
     for anchor_top in (1.0, 3.0):
-        got = backends.CPU.solve_paper(x, mask, anchor_top, 0.1, 4, False, 1e-6, 50, "newton")
+        got = backends.CPU.solve_paper(x, mask, anchor_top, 0.1, 4, sorted, 1e-6, 50, "newton")
         eps, at, slope = backends.TORCH.paper_temperature(x, mask, anchor_top, 0.1)
         torch.testing.assert_close(got[2], eps)
         keep = torch.arange(37) != 8  # the empty row's index is arbitrary
         assert torch.equal(got[3][keep], at[keep])
         torch.testing.assert_close(got[4], slope)
         assert float(got[2][8]) == pytest.approx(0.1) and float(got[4][8]) == 0.0
-        out, info = backends.CPU.solve(x, mask, got[2], 4, False, 1e-6, 50, "newton")
+        out, info = backends.CPU.solve(x, mask, got[2], 4, sorted, 1e-6, 50, "newton")
         assert torch.equal(got[0], out) and torch.equal(got[1], info)
 
 
@@ -263,16 +264,16 @@ def test_cpu_kernels_on_hard_inputs(sorted, case):
 
 def test_auto_uses_the_cpu_kernels_for_float32(monkeypatch):
     calls = []
-    for name in ("forward", "unsorted_solve"):
+    for name in ("forward", "unsorted_forward"):
         real = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = torch.randn(3, 20)
     soft_topk(x, 3, sorted=True)
     soft_topk(x, 3, sorted=False)
-    assert calls == ["forward", "unsorted_solve"]
+    assert calls == ["forward", "unsorted_forward"]
     soft_topk(x.double(), 3, sorted=True)   # float64: the PyTorch path
     soft_topk(x, 3, sorted=True, method="sinkhorn")
-    assert calls == ["forward", "unsorted_solve"]
+    assert calls == ["forward", "unsorted_forward"]
 
 
 def test_cpu_backend_on_cuda_tensors_is_a_clear_error():
@@ -317,21 +318,6 @@ def test_without_a_compiler_auto_falls_back_and_cpu_backend_says_why(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "sum 6.0" in run.stdout and "fallback" in run.stdout
     assert "error: soft_topk: backend='cpu' cannot run: the fused CPU kernels could not be built" in run.stdout
-
-
-def test_cpu_row_top_matches_torch_topk():
-    torch.manual_seed(5)
-    x = torch.randint(-3, 4, (50, 9)).float()  # many ties
-    x[0, 2] = torch.nan
-    x[1, 5] = torch.inf
-    valid = torch.rand(50, 9) > 0.3
-    valid[2] = False
-    for kk in (1, 4, 9):
-        ref = torch.topk(torch.where(valid, x, torch.tensor(-torch.inf)), kk).values
-        got = cpu_kernels.row_top(x, valid, kk)
-        assert torch.equal(torch.isnan(got), torch.isnan(ref))
-        assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(ref, nan=7.0))
-    assert torch.equal(cpu_kernels.row_top(x[3:], None, 3), torch.topk(x[3:], 3).values)
 
 
 @pytest.mark.parametrize("scaling", ["none", "paper"])

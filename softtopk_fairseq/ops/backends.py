@@ -2,20 +2,19 @@
 
 * :class:`Backend` -- the PyTorch path (``backend="torch"``): any device, float32 or float64, Newton or
   Sinkhorn. The reference the fused backends are tested against.
-* :class:`FusedBackend` -- the same Newton solve and closed-form backward in two kernel launches, on the
-  raw scores; subclasses name their kernel module and when they can run:
+* :class:`FusedBackend` -- the same Newton solve and closed-form backward in one kernel launch each way, on the
+  raw scores, the preparation included; subclasses name their kernel module and when they can run:
   :class:`CpuBackend` (``cpu_kernels``, C, CPU tensors) and :class:`TritonBackend` (``triton_kernels``,
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` for the tests).
 
-Every backend has the same two entry points, ``solve(...) -> (out, info)`` (the op's forward: check the
-scores, find the centre and the starting thresholds, solve) and ``gradients(...) -> (grad_x, grad_eps)``,
-both on (rows, n) scores with ``-inf`` on excluded entries and the caller's ``mask`` (bool, or None);
-``soft_topk.py`` keeps the definition, validation and the custom-op registration, and never asks which
-backend it holds. Inside, the shared preparation calls the hooks ``row_top``, ``forward`` and ``backward``,
-which the fused backends override. Where a kernel does the preparation itself (one call each way instead of a
-few dozen tensor operations) its backend overrides the entry points instead: the C backend for the unsorted
-operator, the Triton backend for both (on a GPU those operations cost more host time than the solve), each
-with ``solve_paper`` computing the paper scaling's temperature in the same kernel.
+Every backend has the same entry points, ``solve(...) -> (out, info)`` (the op's forward: check the scores,
+find the centre and the starting thresholds, solve), ``solve_paper`` (the same at the paper scaling's
+temperature, computed on the way), ``paper_temperature`` and ``gradients(...) -> (grad_x, grad_eps)``, all on
+(rows, n) scores with ``-inf`` on excluded entries and the caller's ``mask`` (bool, or None); ``soft_topk.py``
+keeps the definition, validation and the custom-op registration, and never asks which backend it holds. The
+PyTorch path prepares with tensor operations (:meth:`Backend.solve`: ``row_top``, then ``forward``); the fused
+kernels do all of it per row (one call each way instead of a few dozen tensor operations, each a launch on a
+GPU).
 
 ``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
@@ -145,11 +144,14 @@ class Backend:
 
 
 class FusedBackend(Backend):
-    """Newton forward and closed-form backward in one kernel launch each. Subclasses set ``kernels`` (a
-    module with ``padded_anchors``, ``forward`` and ``backward`` for the sorted operator after the shared
-    preparation, the hooks below, unless the subclass overrides ``solve`` / ``gradients`` for it, as the Triton
-    backend does) and say where they run. The unsorted operator's entry points are always the subclass's own
-    (one kernel each way from the raw scores, in both)."""
+    """Newton forward and closed-form backward in one kernel launch each way, from the raw scores -- the checks,
+    the centre, the temperature (the paper scaling's in the same pass) and the start included, which
+    :meth:`Backend.solve` prepares with tensor operations (on a GPU those cost more host time than the solve
+    itself). Subclasses set ``kernels``, a module with the launchers ``forward`` / ``unsorted_forward`` (x, mask,
+    eps, k, bound, tol, max_iter, paper=None) -> (out, info, status, eps, at, slope), ``backward`` /
+    ``unsorted_backward`` (out, grad_out, x, mask, eps, k, eps_grad) -> (grad_x, grad_eps or None) and
+    ``paper_temperature``; and say where they run and how their forwards report bad scores
+    (:meth:`raise_for_status`)."""
 
     kernels = None
 
@@ -165,44 +167,38 @@ class FusedBackend(Backend):
         """Whether ``backend="auto"`` picks this backend for tensors like ``x`` (float32 ones)."""
         return False
 
-    def forward(self, x, valid, n_valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter, method):
-        """The sorted operator's damped Newton solve (``solvers.newton_semi_dual``) in one kernel launch, from the
-        same starting thresholds."""
-        mask = None if all_valid else valid
-        _, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
-        rows, m = c.shape
-        # Starting thresholds from the normalised top scores (x is read only for its shape and dtype).
-        t = solvers.initial_thresholds(x, valid, c, u_top)
-        t = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-        shift = solvers.log_mass_shift(c)
-        mp = self.kernels.padded_anchors(m)
-        tz = x.new_zeros(rows, mp)  # shifted: tz[l] = t_{l-1}
-        tz[:, 1:m] = t
-        shift_z = x.new_zeros(rows, mp)
-        shift_z[:, 1:m] = shift
-        c_pad = x.new_zeros(rows, mp)
-        c_pad[:, :m] = c
-        m_act = (c > 0).sum(-1).to(torch.int32)
-        return self._launch(self.kernels.forward, x, mask, centre, eps, bound, tz, shift_z, c_pad, m_act, k, sorted,
-                            tol, max_iter)
+    def raise_for_status(self, status) -> None:
+        """Raise ValueError on the status a forward launcher returned (``launch.BAD_NAN`` / ``BAD_INF`` bits)."""
+        raise NotImplementedError
 
-    def backward(self, grad_out, out, valid, eps, k, sorted):
-        """The sorted operator's closed-form backward in one kernel launch."""
-        n_valid = valid.sum(-1)
-        y, c = solvers.anchor_targets(n_valid, k, sorted, out.dtype)
-        y_pad = out.new_zeros(self.kernels.padded_anchors(c.shape[-1]))
-        y_pad[: y.shape[0]] = y
-        m_act = (c > 0).sum(-1).to(torch.int32)
-        rest_on = (c[:, -1] > 0).to(torch.int32)
-        mask = None if bool((n_valid == valid.shape[-1]).all()) else valid
-        return self._launch(self.kernels.backward, out, grad_out, mask, y_pad, m_act, rest_on, eps, k, sorted)
+    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
+        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
+        out, info, status, _, _, _ = self._launch(forward, x, mask, eps, k, score_bound(x.dtype, k), tol, max_iter)
+        self.raise_for_status(status)
+        return out, info
+
+    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
+        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
+        out, info, status, eps, at, slope = self._launch(forward, x, mask, None, k, score_bound(x.dtype, k), tol,
+                                                         max_iter, (anchor_top, epsilon))
+        self.raise_for_status(status)
+        return out, info, eps, at, slope
+
+    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
+        backward = self.kernels.backward if sorted else self.kernels.unsorted_backward
+        grad_x, grad_eps = self._launch(backward, out, grad_out, x, mask, eps, k, eps_grad)
+        return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
+
+    def paper_temperature(self, x, mask, anchor_top, epsilon):
+        return self._launch(self.kernels.paper_temperature, x, mask, anchor_top, epsilon)  # (-inf: excluded there)
 
     def _launch(self, fn, *args):
         return fn(*args)
 
 
 class CpuBackend(FusedBackend):
-    """The C kernels (``soft_topk_cpu.c``), compiled on first use; CPU tensors."""
+    """The C kernels (``soft_topk_cpu.c``), compiled on first use; CPU tensors. Their forwards report bad scores
+    as one status for the whole call (no synchronisation on CPU)."""
 
     name = "cpu"
     kernels = cpu_kernels
@@ -220,36 +216,13 @@ class CpuBackend(FusedBackend):
     def auto_device(self, x):
         return x.device.type == "cpu"
 
-    def row_top(self, x, valid, kk):
-        return cpu_kernels.row_top(x, valid, kk)
-
-    def paper_temperature(self, x, mask, anchor_top, epsilon):
-        return cpu_kernels.paper_temperature(x, mask, anchor_top, epsilon)
-
-    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
-        if sorted:
-            return super().solve(x, mask, eps, k, sorted, tol, max_iter, method)
-        out, info, status = cpu_kernels.unsorted_solve(x, mask, eps, score_bound(x.dtype, k), k, tol, max_iter)
+    def raise_for_status(self, status):
         _raise_for_status(status)
-        return out, info
-
-    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
-        if sorted:
-            return super().solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method)
-        out, info, status, eps, at, slope = cpu_kernels.unsorted_solve_paper(x, mask, anchor_top, epsilon,
-                                                                             score_bound(x.dtype, k), k, tol, max_iter)
-        _raise_for_status(status)
-        return out, info, eps, at, slope
-
-    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
-        if sorted:
-            return super().gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad)
-        grad_x, grad_eps = cpu_kernels.unsorted_gradients(out, grad_out, mask, eps, x if eps_grad else None)
-        return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
 
 
 class TritonBackend(FusedBackend):
-    """The Triton kernels (``triton_kernels.py``); CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``)."""
+    """The Triton kernels (``triton_kernels.py``); CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``). Their
+    forwards report bad scores per row, read with one synchronisation."""
 
     name = "triton"
 
@@ -273,28 +246,8 @@ class TritonBackend(FusedBackend):
     def auto_device(self, x):
         return x.is_cuda
 
-    def paper_temperature(self, x, mask, anchor_top, epsilon):
-        return self._launch(self.kernels.paper_temperature, x, mask, anchor_top, epsilon)  # (-inf: excluded there)
-
-    # Both operators: one kernel each way from the raw scores, the preparation included (on a GPU the few
-    # dozen small tensor operations of Backend.solve cost more host time than the solve itself).
-    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
-        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
-        out, info, status, _, _, _ = self._launch(forward, x, mask, eps, k, score_bound(x.dtype, k), tol, max_iter)
+    def raise_for_status(self, status):
         _raise_for_row_status(status)
-        return out, info
-
-    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
-        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
-        out, info, status, eps, at, slope = self._launch(forward, x, mask, None, k, score_bound(x.dtype, k), tol,
-                                                         max_iter, (anchor_top, epsilon))
-        _raise_for_row_status(status)
-        return out, info, eps, at, slope
-
-    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
-        backward = self.kernels.backward if sorted else self.kernels.unsorted_backward
-        grad_x, grad_eps = self._launch(backward, out, grad_out, x, mask, eps, k, eps_grad)
-        return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
 
     def _launch(self, fn, *args):
         try:

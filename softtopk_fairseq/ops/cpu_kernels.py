@@ -2,11 +2,13 @@
 
 Eager PyTorch makes ~5 passes over the (rows, k+1, n) plan per Newton evaluation; these kernels make one
 (per row, in blocks that stay in cache) and solve the whole row in one call, rows spread over
-``torch.get_num_threads()`` OpenMP threads. The sorted operator's kernels take the same inputs as the Triton
-launchers, prepared by ``backends.Backend.solve``; same math as ``solvers.newton_semi_dual`` and
-``backward.implicit_grad``. The unsorted operator's (:func:`unsorted_solve`, :func:`unsorted_gradients`) take the
-raw scores and do that preparation themselves, and :func:`paper_temperature` computes the paper scaling's
-temperature in one pass (:func:`unsorted_solve_paper`: inside the unsorted forward's own pass).
+``torch.get_num_threads()`` OpenMP threads. Each operator is one call each way from the raw scores, with the
+launchers' signatures of ``triton_kernels`` (:func:`forward`, :func:`unsorted_forward`, :func:`backward`,
+:func:`unsorted_backward`): the checks, the centre, the temperature (the paper scaling's in the same pass, when
+asked) and the start are found per row in C, which ``backends.Backend.solve`` prepares with tensor operations
+for the PyTorch path; same math as ``solvers.newton_semi_dual`` / ``solvers.newton_sigmoid_root`` and
+``backward.implicit_grad`` / ``backward.sigmoid_grad``. :func:`paper_temperature` computes the paper scaling's
+temperature alone.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
 (``-march=native``) and cached under ``$SOFTTOPK_CACHE_DIR`` (default ``~/.cache/softtopk_fairseq``), keyed
@@ -29,8 +31,8 @@ from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, ensure_contiguous
 from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
-# soft_topk_unsorted_forward reports a batch's bad scores with launch.BAD_NAN / BAD_INF (bits of its return
-# value; 1 = out of memory).
+# The forwards report a batch's bad scores with launch.BAD_NAN / BAD_INF (bits of their return value; 1 = out
+# of memory).
 # The solver constants come from solvers.py as -D flags (part of the cache key with the other flags), the
 # status bits from here.
 CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN,
@@ -89,18 +91,16 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     f32 = ctypes.c_float
-    lib.soft_topk_forward.argtypes = [p, p, p, p, f32, p, p, p, p, p, p, i64, i64, i32, i32, i32, f64, i32, i32, i32]
-    lib.soft_topk_forward.restype = ctypes.c_int
-    lib.soft_topk_backward.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32]
-    lib.soft_topk_backward.restype = ctypes.c_int
+    lib.soft_topk_sorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, i32, f32, f32, p, p, i32]
+    lib.soft_topk_sorted_forward.restype = ctypes.c_int
+    lib.soft_topk_sorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
+    lib.soft_topk_sorted_backward.restype = ctypes.c_int
     lib.soft_topk_unsorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, f32, f32, p, p, i32]
     lib.soft_topk_unsorted_forward.restype = ctypes.c_int
     lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32]
     lib.soft_topk_unsorted_backward.restype = ctypes.c_int
     lib.soft_topk_paper_temperature.argtypes = [p, p, i64, i64, f32, f32, p, p, p, i32]
     lib.soft_topk_paper_temperature.restype = ctypes.c_int
-    lib.soft_topk_row_top.argtypes = [p, p, p, i64, i64, i32, i32]
-    lib.soft_topk_row_top.restype = ctypes.c_int
     return lib
 
 
@@ -118,25 +118,8 @@ def library() -> ctypes.CDLL:
         return _lib
 
 
-def padded_anchors(m: int) -> int:
-    """Anchor-axis length of the per-row inputs (the same interface as ``triton_kernels``): no padding here."""
-    return m
-
-
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
-
-
-@ensure_contiguous
-def row_top(x, valid, kk):
-    """The ``kk`` largest valid entries of each row of ``x`` (rows, n), decreasing, ``-inf`` past the valid
-    ones, a NaN first (like ``torch.topk(torch.where(valid, x, -inf), kk).values``, much faster for many
-    short rows); ``valid`` (rows, n) bool or None."""
-    rows, n = x.shape
-    top = torch.empty((rows, kk), dtype=torch.float32)
-    _check(x, valid)
-    library().soft_topk_row_top(_ptr(x), _ptr(valid), _ptr(top), rows, n, kk, torch.get_num_threads())
-    return top
 
 
 @ensure_contiguous
@@ -156,87 +139,68 @@ def paper_temperature(x, mask, anchor_top, epsilon):
 
 
 @ensure_contiguous
-def forward(x, valid, centre, eps, bound, tz, shift, c, m_act, k, sorted, tol, max_iter, max_halvings=8):
-    """Fused forward on the raw scores ``x`` (rows, n), normalised in the kernel as
-    ``clamp((x - centre) / eps, -bound, bound)`` with per-row ``centre`` and ``eps`` (rows,); ``valid``
-    (rows, n) bool or None; ``tz``, ``shift``, ``c`` (rows, m); ``m_act`` (rows,) int32, as for the Triton
-    forward. Returns the output ((rows, n, k) sorted, (rows, n) not) and info (rows, 2)."""
+def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8):
+    """The sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask`` (rows, n)
+    bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top, epsilon)``, the
+    paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info (rows, 2), status --
+    0 or the bits ``launch.BAD_NAN`` (a NaN anywhere) / ``BAD_INF`` (+inf on a valid entry), for the caller to
+    raise on --, eps, at, slope); ``at`` and ``slope`` are None without ``paper``."""
     rows, n = x.shape
-    mp = tz.shape[-1]
-    out = torch.empty((rows, n, k) if sorted else (rows, n), dtype=torch.float32)
-    info = torch.empty((rows, 2), dtype=torch.float32)
-    _check(x, valid, centre, eps, tz, shift, c, m_act)
-    failed = library().soft_topk_forward(_ptr(x), _ptr(valid), _ptr(centre), _ptr(eps), float(bound), _ptr(tz), _ptr(shift),
-                                _ptr(c), _ptr(m_act), _ptr(out), _ptr(info), rows, n, k, mp, int(sorted), float(tol),
-                                int(max_iter), int(max_halvings), torch.get_num_threads())
-    if failed:
-        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return out, info
+    return _forward(library().soft_topk_sorted_forward, (rows, n, k), x, mask, eps, k, bound, tol, max_iter, paper,
+                    (int(max_halvings),))
 
 
 @ensure_contiguous
-def backward(out, grad_out, valid, y, m_act, rest_on, eps, k, sorted):
-    """Fused backward: dL/dx (rows, n) of the scores (the temperature ``eps`` (rows,) divides it)."""
-    rows, n = out.shape[:2]
-    grad = torch.empty((rows, n), dtype=torch.float32)
-    _check(out, grad_out, valid, y, m_act, rest_on, eps)
-    failed = library().soft_topk_backward(_ptr(out), _ptr(grad_out), _ptr(valid), _ptr(y), _ptr(m_act), _ptr(rest_on),
-                                          _ptr(eps), _ptr(grad), rows, n, k, y.shape[-1], int(sorted),
-                                          torch.get_num_threads())
-    if failed:
-        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return grad
+def unsorted_forward(x, mask, eps, k, bound, tol, max_iter, paper=None):
+    """The unsorted forward: the arguments and results of :func:`forward`, the output (rows, n)."""
+    return _forward(library().soft_topk_unsorted_forward, x.shape, x, mask, eps, k, bound, tol, max_iter, paper, ())
 
 
-@ensure_contiguous
-def unsorted_solve(x, mask, eps, bound, k, tol, max_iter):
-    """The whole unsorted forward in one call, from the raw scores ``x`` (rows, n), the caller's ``mask`` (rows,
-    n) bool or None (``-inf`` scores are excluded in any case) and the per-row temperature ``eps`` (rows,): per
-    row, the top-(k+1) valid scores, the centre x_(k),
-    the normalisation ``clamp((x - centre) / eps, +-bound)``, the hard-assignment start and the scalar root
-    (``solvers.newton_sigmoid_root``). Returns the output (rows, n), info (rows, 2) and a status: 0, or the bits
-    ``BAD_NAN`` (a NaN anywhere) / ``BAD_INF`` (+inf on a valid entry), for the caller to raise on."""
-    out, info, status, _, _ = _unsorted_forward(x, mask, eps, bound, k, tol, max_iter, None)
-    return out, info, status
-
-
-@ensure_contiguous
-def unsorted_solve_paper(x, mask, anchor_top, epsilon, bound, k, tol, max_iter):
-    """:func:`unsorted_solve` at the paper scaling's temperature, computed in the same pass over the scores as
-    :func:`paper_temperature` computes it: (out, info, status, eps, at, slope)."""
-    eps = torch.empty((x.shape[0],), dtype=torch.float32)
-    out, info, status, at, slope = _unsorted_forward(x, mask, eps, bound, k, tol, max_iter, (anchor_top, epsilon))
-    return out, info, status, eps, at, slope
-
-
-def _unsorted_forward(x, mask, eps, bound, k, tol, max_iter, paper):
+def _forward(entry, out_shape, x, mask, eps, k, bound, tol, max_iter, paper, extra):
     rows, n = x.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
+    out = torch.empty(out_shape, dtype=torch.float32)
     info = torch.empty((rows, 2), dtype=torch.float32)
     anchor_top, epsilon = paper if paper else (0.0, 0.0)
+    if paper:
+        eps = torch.empty((rows,), dtype=torch.float32)
     at = torch.empty((rows,), dtype=torch.int64) if paper else None
     slope = torch.empty((rows,), dtype=torch.float32) if paper else None
     _check(x, mask, eps)
-    status = library().soft_topk_unsorted_forward(_ptr(x), _ptr(mask), _ptr(eps), float(bound), _ptr(out),
-                                                  _ptr(info), rows, n, k, float(tol), int(max_iter),
-                                                  float(anchor_top), float(epsilon), _ptr(at), _ptr(slope),
-                                                  torch.get_num_threads())
+    status = entry(_ptr(x), _ptr(mask), _ptr(eps), float(bound), _ptr(out), _ptr(info), rows, n, k, float(tol),
+                   int(max_iter), *extra, float(anchor_top), float(epsilon), _ptr(at), _ptr(slope),
+                   torch.get_num_threads())
     if status & 1:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
-    return out, info, status, at, slope
+    return out, info, status, eps, at, slope
 
 
 @ensure_contiguous
-def unsorted_gradients(out, grad_out, mask, eps, x=None):
-    """dL/dx (rows, n) of the unsorted operator from its output (``backward.sigmoid_grad``, divided by eps);
-    with the scores ``x`` also dL/deps (rows,) (``backward.temperature_grad``) over the valid entries (not
-    ``-inf``, ``mask`` True if given), else None."""
+def backward(out, grad_out, x, mask, eps, k, eps_grad):
+    """The sorted backward: dL/dx (rows, n) from the output ``out`` (rows, n, k), ``grad_out`` like it, the raw
+    scores ``x`` and ``mask`` of the forward and its temperature ``eps`` (``backward.implicit_grad``, divided by
+    eps); and dL/deps (rows,) when ``eps_grad`` (``backward.temperature_grad``), else None."""
+    rows, n = x.shape
+    grad = torch.empty((rows, n), dtype=torch.float32)
+    grad_eps = torch.empty((rows,), dtype=torch.float32) if eps_grad else None
+    _check(out, grad_out, x, mask, eps)
+    failed = library().soft_topk_sorted_backward(_ptr(out), _ptr(grad_out), _ptr(mask), _ptr(x), _ptr(eps),
+                                                 _ptr(grad), _ptr(grad_eps), rows, n, k, torch.get_num_threads())
+    if failed:
+        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    return grad, grad_eps
+
+
+@ensure_contiguous
+def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad):
+    """The unsorted backward: the arguments and results of :func:`backward` (``backward.sigmoid_grad``; ``k``
+    unused, the gradient does not depend on it)."""
     rows, n = out.shape
     grad = torch.empty((rows, n), dtype=torch.float32)
-    grad_eps = None if x is None else torch.empty((rows,), dtype=torch.float32)
+    grad_eps = torch.empty((rows,), dtype=torch.float32) if eps_grad else None
     _check(out, grad_out, mask, eps, x)
-    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(mask), _ptr(eps), _ptr(x),
-                                                   _ptr(grad), _ptr(grad_eps), rows, n, torch.get_num_threads())
+    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(mask), _ptr(eps),
+                                                   _ptr(x) if eps_grad else None, _ptr(grad), _ptr(grad_eps), rows,
+                                                   n, torch.get_num_threads())
     if failed:
         raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
     return grad, grad_eps

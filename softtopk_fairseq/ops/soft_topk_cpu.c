@@ -5,13 +5,12 @@
  * plan never stored, anchor masses and P^T P accumulated in double, the small Newton system solved in
  * double. Compiled and loaded by cpu_kernels.py (gcc -O3 -march=native -fopenmp).
  *
- * Layouts (row-major, float32 unless said): x (rows, n) scores, normalised here per row as
- * u = clamp((x - centre) / eps, +-bound) (solvers.normalise_scores); valid (rows, n) uint8 or NULL;
- * tz, shift, c (rows, mp): tz[l] = t_{l-1} (l = 1..m_act-1), the initial thresholds; m_act (rows,) int32;
- * sorted output (rows, n, k), unsorted (rows, n); info (rows, 2) = iterations, marginal error.
- * The unsorted forward takes only x, the caller's mask (or NULL) and eps: it excludes -inf scores, checks
- * the scores and finds its centre and start itself (one pass over the row before the solve), which the
- * sorted one is handed; its backward and the paper temperature take the same mask.
+ * Layouts (row-major, float32 unless said): x (rows, n) raw scores (-inf: excluded), the caller's mask
+ * (rows, n) uint8 or NULL, eps (rows,); sorted output (rows, n, k), unsorted (rows, n); info (rows, 2) =
+ * iterations, marginal error. Both forwards take only these: per row they check the scores, find the centre
+ * x_(k) and the start (one pass over the row before the solve; the paper scaling's temperature in it when
+ * asked), normalise the scores as u = clamp((x - centre) / eps, +-bound) (solvers.normalise_scores) and solve;
+ * the backwards take the same x and mask and give dL/deps too.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,7 +22,7 @@
 /* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, SATURATION,
  * LOG_STEP_FRACTION) are
  * defined once, in solvers.py, and handed to this file as -D flags by cpu_kernels.py, with the status bits of
- * soft_topk_unsorted_forward (BAD_NAN, BAD_INF). */
+ * the forwards (BAD_NAN, BAD_INF). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
     || !defined(RIDGE_ULPS) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) || !defined(BAD_NAN) \
     || !defined(BAD_INF)
@@ -126,9 +125,10 @@ static void accumulate(const float *restrict pl, int nb, int ma, int mp, double 
     }
 }
 
-/* Per-thread scratch, allocated once per call: the plan block (pl, g, zmax, inv) and thresholds (tz) of the
- * sorted solve; the row's normalised scores u and weights wv; a0, a1: the sigmoids of the unsorted solve's
- * current and trial thresholds. */
+/* Per-thread scratch, allocated once per call: the plan block (pl, g, zmax, inv) and thresholds (tz: the
+ * solve's current, trial and step; then the row's starting thresholds, their shift and the anchor masses) of
+ * the sorted solve; the row's normalised scores u and weights wv; a0, a1: the sigmoids of the unsorted
+ * solve's current and trial thresholds. */
 typedef struct { float *pl, *zmax, *inv, *g, *u, *wv, *a0, *a1, *tz; double *d; } workspace;
 
 static int64_t padded(int64_t n) { return (n + PAD - 1) / PAD * PAD; }
@@ -215,8 +215,11 @@ static void normalise_row(const float *x, const uint8_t *valid, int64_t n, float
     for (int64_t j = n; j < padded(n); j++) { u[j] = 0.0f; wv[j] = 0.0f; }
 }
 
+/* The sorted operator's damped Newton solve of one row (solvers.newton_semi_dual) from the starting thresholds
+ * tz0 (tz0[l] = t_{l-1}) and the second start's shift, for anchor masses c (ma active anchors of mp); writes
+ * the output (n, k) and info. */
 static void forward_row(const float *x, const uint8_t *valid, int64_t n, float centre, float eps, float bound,
-                        int k, const float *tz0, const float *shift, const float *c, int ma, int mp, int sorted,
+                        int k, const float *tz0, const float *shift, const float *c, int ma, int mp,
                         double tol, int max_iter, int max_halvings, float *out, float *info, workspace *w) {
     float *u = w->u, *wv = w->wv;
     normalise_row(x, valid, n, centre, eps, bound, u, wv);
@@ -271,25 +274,21 @@ static void forward_row(const float *x, const uint8_t *valid, int64_t n, float c
     for (int64_t start = 0; start < n; start += BLOCK) {
         int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
         plan_block(u + start, wv + start, (int)padded(nb), tz, ma, w->pl, w->zmax, w->inv);
-        if (sorted) {
-            float *o = out + start * k;
-            for (int j = 0; j < nb; j++)
-                for (int l = 0; l < k; l++) o[j * k + l] = l < ma ? w->pl[l * BLOCK + j] : 0.0f;
-        } else {
-            for (int j = 0; j < nb; j++) out[start + j] = ma > 0 ? w->pl[j] : 0.0f;
-        }
+        float *o = out + start * k;
+        for (int j = 0; j < nb; j++)
+            for (int l = 0; l < k; l++) o[j * k + l] = l < ma ? w->pl[l * BLOCK + j] : 0.0f;
     }
 }
 
 static int alloc_workspace(workspace *w, int mp, int64_t n) {
-    w->pl = malloc(sizeof(float) * (BLOCK * (2 * mp + 2) + 3 * mp + 4 * padded(n > 0 ? n : 1)));
+    w->pl = malloc(sizeof(float) * (BLOCK * (2 * mp + 2) + 6 * mp + 4 * padded(n > 0 ? n : 1)));
     w->d = malloc(sizeof(double) * (6 * mp + 3 * mp * mp));
     if (!w->pl || !w->d) { free(w->pl); free(w->d); return 0; }
     w->g = w->pl + BLOCK * mp;
     w->zmax = w->g + BLOCK * mp;
     w->inv = w->zmax + BLOCK;
     w->tz = w->inv + BLOCK;
-    w->u = w->tz + 3 * mp;
+    w->u = w->tz + 6 * mp;
     w->wv = w->u + padded(n > 0 ? n : 1);
     w->a0 = w->wv + padded(n > 0 ? n : 1);
     w->a1 = w->a0 + padded(n > 0 ? n : 1);
@@ -330,68 +329,39 @@ static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn
     return failed;
 }
 
-typedef struct {
-    const float *x, *centre, *eps, *tz, *shift, *c;
-    const uint8_t *valid;
-    const int32_t *m_act;
-    float bound, *out, *info;
-    int64_t n;
-    int k, mp, sorted, max_iter, max_halvings;
-    double tol;
-} forward_args;
-
-static void forward_task(int64_t r, workspace *w, const void *ctx) {
-    const forward_args *a = ctx;
-    int64_t n = a->n;
-    int mp = a->mp;
-    forward_row(a->x + r * n, a->valid ? a->valid + r * n : NULL, n, a->centre[r], a->eps[r], a->bound, a->k,
-                a->tz + r * mp, a->shift + r * mp, a->c + r * mp, a->m_act[r], mp, a->sorted, a->tol, a->max_iter,
-                a->max_halvings, a->out + (a->sorted ? r * n * a->k : r * n), a->info + 2 * r, w);
-}
-
-int soft_topk_forward(const float *x, const uint8_t *valid, const float *centre, const float *eps, float bound,
-                      const float *tz, const float *shift, const float *c, const int32_t *m_act, float *out,
-                      float *info, int64_t rows, int64_t n, int k, int mp, int sorted, double tol, int max_iter,
-                      int max_halvings, int threads) {
-    forward_args a = {x, centre, eps, tz, shift, c, valid, m_act, bound, out, info, n, k, mp, sorted, max_iter,
-                      max_halvings, tol};
-    return parallel_rows(rows, n, mp, threads, forward_task, &a);
-}
-
-/* Plan block rebuilt from the output (rest column = 1 - taken where rest_on) and the upstream gradient,
- * both anchors-first: pl[l * BLOCK + j], g[l * BLOCK + j], for the mp padded anchors. */
-static void output_block(const float *out, const float *gout, const uint8_t *valid, int nb, int k, int sorted,
+/* Plan block rebuilt from the sorted output (rest column = 1 - taken where rest_on) and the upstream gradient,
+ * both anchors-first: pl[l * BLOCK + j], g[l * BLOCK + j], for the mp anchors; zero where the score x is -inf
+ * or the mask false. */
+static void output_block(const float *out, const float *gout, const float *x, const uint8_t *mask, int nb, int k,
                          int rest_on, int mp, float *pl, float *g) {
-    int taken = sorted ? k : 1;
     for (int l = 0; l < mp; l++) {  /* zero up to the padded length: accumulate reads whole PAD lanes */
         memset(pl + l * BLOCK, 0, sizeof(float) * padded(nb));
         memset(g + l * BLOCK, 0, sizeof(float) * padded(nb));
     }
     for (int j = 0; j < nb; j++) {
-        if (valid && !valid[j]) continue;
+        if ((mask && !mask[j]) || !(x[j] > -INFINITY)) continue;
         float sum = 0.0f;
-        for (int l = 0; l < taken; l++) {
-            float p = sorted ? out[j * k + l] : out[j];
+        for (int l = 0; l < k; l++) {
+            float p = out[j * k + l];
             pl[l * BLOCK + j] = p;
-            g[l * BLOCK + j] = sorted ? gout[j * k + l] : gout[j];
+            g[l * BLOCK + j] = gout[j * k + l];
             sum += p;
         }
-        if (rest_on) pl[taken * BLOCK + j] = sum < 1.0f ? 1.0f - sum : 0.0f;
+        if (rest_on) pl[k * BLOCK + j] = sum < 1.0f ? 1.0f - sum : 0.0f;
     }
 }
 
-/* dL/dx of one row (dL/deps follows from it, in soft_topk.py). */
-static void backward_row(const float *out, const float *gout, const uint8_t *valid, int64_t n, int k, int sorted,
+/* dL/dx of one row of the sorted operator (backward.implicit_grad, divided by eps). */
+static void backward_row(const float *out, const float *gout, const float *x, const uint8_t *mask, int64_t n, int k,
                          const float *y, int ma, int rest_on, float eps, int mp, float *grad, workspace *w) {
     double *s = w->d;
     double *v = s + mp, *sol = v + mp, *ppt = sol + mp, *mat = ppt + mp * mp;
     memset(s, 0, sizeof(double) * (3 * mp + mp * mp));
-    int stride = sorted ? k : 1;
     float *gbar = w->zmax, *ybar = w->inv;
     for (int64_t start = 0; start < n; start += BLOCK) {
         int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
-        output_block(out + start * stride, gout + start * stride, valid ? valid + start : NULL, nb, k, sorted,
-                     rest_on, mp, w->pl, w->g);
+        output_block(out + start * k, gout + start * k, x + start, mask ? mask + start : NULL, nb, k, rest_on, mp,
+                     w->pl, w->g);
         for (int j = 0; j < nb; j++) gbar[j] = 0.0f;
         for (int l = 0; l < mp; l++)
             for (int j = 0; j < nb; j++) gbar[j] += w->pl[l * BLOCK + j] * w->g[l * BLOCK + j];
@@ -411,8 +381,8 @@ static void backward_row(const float *out, const float *gout, const uint8_t *val
     const float inv_eps = 1.0f / eps;
     for (int64_t start = 0; start < n; start += BLOCK) {
         int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
-        output_block(out + start * stride, gout + start * stride, valid ? valid + start : NULL, nb, k, sorted,
-                     rest_on, mp, w->pl, w->g);
+        output_block(out + start * k, gout + start * k, x + start, mask ? mask + start : NULL, nb, k, rest_on, mp,
+                     w->pl, w->g);
         for (int j = 0; j < nb; j++) ybar[j] = 0.0f;
         for (int l = 0; l < mp; l++)
             for (int j = 0; j < nb; j++) ybar[j] += w->pl[l * BLOCK + j] * y[l];
@@ -427,56 +397,61 @@ static void backward_row(const float *out, const float *gout, const uint8_t *val
     if (wp != wl) free(wp);
 }
 
-typedef struct {
-    const float *out, *gout, *y, *eps;
-    const uint8_t *valid;
-    const int32_t *m_act, *rest_on;
-    float *grad;
-    int64_t n;
-    int k, mp, sorted;
-} backward_args;
-
-static void backward_task(int64_t r, workspace *w, const void *ctx) {
-    const backward_args *a = ctx;
-    int64_t n = a->n, stride = a->sorted ? a->k : 1;
-    backward_row(a->out + r * n * stride, a->gout + r * n * stride, a->valid ? a->valid + r * n : NULL, n, a->k,
-                 a->sorted, a->y, a->m_act[r], a->rest_on[r], a->eps[r], a->mp, a->grad + r * n, w);
-}
-
-int soft_topk_backward(const float *out, const float *gout, const uint8_t *valid, const float *y,
-                       const int32_t *m_act, const int32_t *rest_on, const float *eps, float *grad, int64_t rows,
-                       int64_t n, int k, int mp, int sorted, int threads) {
-    backward_args a = {out, gout, y, eps, valid, m_act, rest_on, grad, n, k, mp, sorted};
-    return parallel_rows(rows, n, mp, threads, backward_task, &a);
-}
-
-/* The kk largest valid scores of each row in decreasing order, -inf past the valid ones; NaN ranks above
- * everything (as in torch.topk), so that a NaN shows up first. Replaces torch.topk, which is slow for
- * many short rows. */
-int soft_topk_row_top(const float *x, const uint8_t *valid, float *top, int64_t rows, int64_t n, int kk,
-                      int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        const uint8_t *vr = valid ? valid + r * n : NULL;
-        float *t = top + r * kk;
-        for (int q = 0; q < kk; q++) t[q] = -INFINITY;
-        int has_nan = 0;
-        for (int64_t j = 0; j < n; j++) {
-            if (vr && !vr[j]) continue;
-            float v = xr[j];
-            if (isnan(v)) { has_nan = 1; continue; }
-            if (!(v > t[kk - 1])) continue;
-            int q = kk - 1;
-            while (q > 0 && v > t[q - 1]) { t[q] = t[q - 1]; q--; }
-            t[q] = v;
-        }
-        if (has_nan) {
-            for (int q = kk - 1; q > 0; q--) t[q] = t[q - 1];
-            t[0] = NAN;
-        }
+/* dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid entries of a row (backward.temperature_grad),
+ * in double, the scores taken relative to the row's first valid one (a large common offset cancels). */
+static float temperature_grad_row(const float *grad, const float *x, const uint8_t *mask, int64_t n, float eps) {
+    double gx = 0.0, gs = 0.0, xs = 0.0;
+    int64_t count = 0;
+    float x_ref = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        if ((mask && !mask[j]) || !(x[j] > -INFINITY)) continue;
+        if (count == 0) x_ref = x[j];
+        double d = (double)x[j] - x_ref;
+        gx += grad[j] * d;
+        gs += grad[j];
+        xs += d;
+        count++;
     }
-    return 0;
+    double mean_d = count > 0 ? xs / (double)count : 0.0;
+    return (float)(-(gx - mean_d * gs) / eps);
+}
+
+typedef struct {
+    const float *out, *gout, *x, *eps, *y;
+    const uint8_t *mask;
+    float *grad, *grad_eps;
+    int64_t n;
+    int k;
+} sorted_backward_args;
+
+static void sorted_backward_task(int64_t r, workspace *w, const void *ctx) {
+    const sorted_backward_args *a = ctx;
+    int64_t n = a->n;
+    int k = a->k;
+    const float *x = a->x + r * n;
+    const uint8_t *mask = a->mask ? a->mask + r * n : NULL;
+    int64_t n_valid = 0;
+    for (int64_t j = 0; j < n; j++) n_valid += (mask == NULL || mask[j]) && x[j] > -INFINITY;
+    /* the active anchors (solvers.anchor_targets): the ranks with a valid entry each, and the rest if any */
+    int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
+    backward_row(a->out + r * n * k, a->gout + r * n * k, x, mask, n, k, a->y, ma, n_valid > k, a->eps[r], k + 1,
+                 a->grad + r * n, w);
+    if (a->grad_eps) a->grad_eps[r] = temperature_grad_row(a->grad + r * n, x, mask, n, a->eps[r]);
+}
+
+/* dL/dx of the sorted operator from its output (rows, n, k), the upstream gradient like it, the raw scores x and
+ * the caller's mask (or NULL) of the forward and its temperature; dL/deps too unless grad_eps is NULL. Returns
+ * 1 when scratch memory could not be allocated. */
+int soft_topk_sorted_backward(const float *out, const float *gout, const uint8_t *mask, const float *x,
+                              const float *eps, float *grad, float *grad_eps, int64_t rows, int64_t n, int k,
+                              int threads) {
+    float *y = malloc(sizeof(float) * (k + 1));
+    if (!y) return 1;
+    for (int l = 0; l <= k; l++) y[l] = (float)(k - l) - 0.5f * (float)k;  /* solvers.centred_anchors */
+    sorted_backward_args a = {out, gout, x, eps, y, mask, grad, grad_eps, n, k};
+    int failed = parallel_rows(rows, n, k + 1, threads, sorted_backward_task, &a);
+    free(y);
+    return failed;
 }
 
 /* The largest and smallest valid scores of a row (not -inf, mask true) and where they first occur: the
@@ -500,7 +475,7 @@ static void row_extremes(const float *xr, const uint8_t *mask, int64_t n, float 
  * true where the caller gives one), epsilon itself when M = 0 or nothing is valid; the cost is convex, so M
  * sits at the row's largest or smallest valid score:
  * one pass for both, then at[r] = where M is attained (the first such element) and slope[r] = dEps/dx there.
- * The unsorted forward computes it too, in its own pass over the scores (soft_topk_unsorted_forward). */
+ * The forwards compute it too, in their own pass over the scores (prepare_row). */
 
 /* eps, at and slope (= d eps / d x_at) of a row from its largest and smallest valid scores hi, lo (hi = -inf:
  * nothing valid) and where they first occur. */
@@ -705,11 +680,11 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
     memcpy(out, a, sizeof(float) * n);
 }
 
-/* The whole unsorted forward of one row from its raw scores (valid: not -inf, and mask true where the caller
- * gives a mask): the checks, the top-(k+1) valid scores, the
- * centre x_(k), the normalisation, the start and the root (what soft_topk.py and backends.Backend.solve
- * prepare with tensor operations for the other backends). A NaN anywhere in the row, or +inf on a valid
- * entry, sets a flag in *status (BAD_NAN / BAD_INF) and leaves the row unsolved: the caller raises. */
+/* ---- the forwards from the raw scores: what soft_topk.py and backends.Backend.solve prepare with tensor
+ * operations for the PyTorch path, done per row (valid: not -inf, and mask true where the caller gives a
+ * mask): the checks, the top-(k+1) valid scores, the centre x_(k), the temperature, the normalisation and the
+ * start, then the solve. A NaN anywhere in the row, or +inf on a valid entry, sets a flag in *status (BAD_NAN /
+ * BAD_INF) and leaves the row unsolved: the caller raises. */
 #define TOP_ON_STACK 64
 #define SHORT_ROW 256      /* rows up to this length take the branchless top-(k+1) ... */
 #define SHORT_ROW_TOP 8    /* ... when k + 1 is at most this */
@@ -720,7 +695,7 @@ typedef struct {
     const uint8_t *mask;
     float bound, *out, *info;
     int64_t n;
-    int k, max_iter;
+    int k, max_iter, max_halvings;
     double tol;
     int *status;
     int64_t first_row;  /* unsorted_forward_task's rows start here (those before go by groups) */
@@ -728,24 +703,12 @@ typedef struct {
     float anchor_top, epsilon;
     int64_t *at;
     float *slope;
-} unsorted_args;
+} forward_args;
 
-static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
-    const unsorted_args *a = ctx;
-    r += a->first_row;
-    int64_t n = a->n;
-    int k = a->k;
-    const float *x = a->x + r * n;
-    const uint8_t *mask = a->mask ? a->mask + r * n : NULL;
-    float *out = a->out + r * n, *info = a->info + 2 * r;
-    int kk = k + 1 < n ? k + 1 : (int)n;
-    float top_stack[TOP_ON_STACK];
-    float *top = kk <= TOP_ON_STACK ? top_stack : malloc(sizeof(float) * kk);
-    if (!top) {
-#pragma omp atomic update
-        *a->status |= 1;
-        return;
-    }
+/* One pass over a row: its kk largest valid scores in top (decreasing, -inf past the valid ones), its number of
+ * valid scores and its smallest; returns the status bits (BAD_NAN, BAD_INF). */
+static int scan_row(const float *x, const uint8_t *mask, int64_t n, int kk, float *top, int64_t *n_valid_out,
+                    float *lowest_out) {
     for (int q = 0; q < kk; q++) top[q] = -INFINITY;
     int64_t n_valid = 0;
     float lowest = INFINITY;  /* the smallest valid score (the largest is top[0]) */
@@ -789,33 +752,115 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
             top[q] = v;
         }
     }
+    *n_valid_out = n_valid;
+    *lowest_out = lowest;
+    return bad;
+}
+
+/* A row's preparation shared by both forwards: scan_row into top (kk = min(k + 1, n) entries), then, unless
+ * the row is bad (its bits go to *status: returns 0), its temperature (the paper scaling's when a->paper) and
+ * its centre x_(k) (the smallest valid score when fewer than k are valid; 0 when none). Returns 1 when the row
+ * is to be solved. */
+static int prepare_row(const forward_args *a, int64_t r, float *top, int64_t *n_valid, float *lowest,
+                       float *centre) {
+    int64_t n = a->n;
+    int k = a->k, kk = k + 1 < n ? k + 1 : (int)n;
+    const float *x = a->x + r * n;
+    const uint8_t *mask = a->mask ? a->mask + r * n : NULL;
+    int bad = scan_row(x, mask, n, kk, top, n_valid, lowest);
     if (bad) {
 #pragma omp atomic update
         *a->status |= bad;
-        if (top != top_stack) free(top);
-        return;
+        return 0;
     }
-    int64_t kth = (n_valid < k ? n_valid : k) - 1;
-    float centre = kth >= 0 ? top[kth] : 0.0f;
+    int64_t kth = (*n_valid < k ? *n_valid : k) - 1;
+    *centre = kth >= 0 ? top[kth] : 0.0f;
     if (a->paper) {
         float hi, lo;
         int64_t hi_at, lo_at;
         row_extremes(x, mask, n, &hi, &lo, &hi_at, &lo_at);
         paper_temperature_of(hi, lo, hi_at, lo_at, a->anchor_top, a->epsilon, a->eps + r, a->at + r, a->slope + r);
     }
-    float eps = a->eps[r], bound = a->bound;
-    normalise_row(x, mask, n, centre, eps, bound, w->u, w->wv);
-    if (n_valid <= k) {  /* nothing to select: every valid element is in */
-        for (int64_t j = 0; j < n; j++) out[j] = w->wv[j];
-        info[0] = 0.0f;
-        info[1] = 0.0f;
-    } else {
-        root_state st;
-        float tau0 = root_start(&st, k, log_pos(k), logf((float)k), n_valid, top[0], top[k - 1], top[k], lowest,
-                                centre, eps, bound);
-        unsorted_solve_row(w->u, w->wv, n, k, st, tau0, a->tol, a->max_iter, w->a0, w->a1, out, info);
+    return 1;
+}
+
+/* top: room for kk = min(k + 1, n) floats, on the stack when they fit; NULL (with *status's out-of-memory bit
+ * set) when they do not fit and malloc fails. */
+static float *top_buffer(const forward_args *a, float *stack) {
+    int kk = a->k + 1 < a->n ? a->k + 1 : (int)a->n;
+    float *top = kk <= TOP_ON_STACK ? stack : malloc(sizeof(float) * kk);
+    if (!top) {
+#pragma omp atomic update
+        *a->status |= 1;
+    }
+    return top;
+}
+
+static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
+    const forward_args *a = ctx;
+    r += a->first_row;
+    int64_t n = a->n, n_valid;
+    int k = a->k;
+    float *out = a->out + r * n, *info = a->info + 2 * r;
+    float top_stack[TOP_ON_STACK], lowest, centre;
+    float *top = top_buffer(a, top_stack);
+    if (!top) return;
+    if (prepare_row(a, r, top, &n_valid, &lowest, &centre)) {
+        float eps = a->eps[r], bound = a->bound;
+        normalise_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, eps, bound, w->u, w->wv);
+        if (n_valid <= k) {  /* nothing to select: every valid element is in */
+            for (int64_t j = 0; j < n; j++) out[j] = w->wv[j];
+            info[0] = 0.0f;
+            info[1] = 0.0f;
+        } else {
+            root_state st;
+            float tau0 = root_start(&st, k, log_pos(k), logf((float)k), n_valid, top[0], top[k - 1], top[k],
+                                    lowest, centre, eps, bound);
+            unsorted_solve_row(w->u, w->wv, n, k, st, tau0, a->tol, a->max_iter, w->a0, w->a1, out, info);
+        }
     }
     if (top != top_stack) free(top);
+}
+
+/* The sorted operator's row (forward_row) from its raw scores: after prepare_row, the k + 1 anchor masses
+ * (solvers.anchor_targets: ranks 0..k-1 hold 1 each while there are valid entries for them, the rest anchor
+ * the other n_valid - k), the hard-assignment thresholds between consecutive active anchors
+ * (solvers.initial_thresholds) and the second start's shift (solvers.log_mass_shift: only the rest anchor's
+ * mass differs from 1), stored shifted: tz0[l] = t_{l-1}. */
+static void sorted_forward_task(int64_t r, workspace *w, const void *ctx) {
+    const forward_args *a = ctx;
+    int64_t n = a->n, n_valid;
+    int k = a->k, mp = k + 1;
+    float top_stack[TOP_ON_STACK], lowest, centre;
+    float *top = top_buffer(a, top_stack);
+    if (!top) return;
+    if (prepare_row(a, r, top, &n_valid, &lowest, &centre)) {
+        float eps = a->eps[r], bound = a->bound;
+        float *tz0 = w->tz + 3 * mp, *shift = tz0 + mp, *c = shift + mp;
+        int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
+        for (int l = 0; l < mp; l++) {
+            c[l] = l < k ? (float)(l < n_valid) : (n_valid > k ? (float)(n_valid - k) : 0.0f);
+            tz0[l] = l >= 1 && l < ma ? hard_threshold(normalised(top[l - 1], centre, eps, bound),
+                                                       normalised(top[l], centre, eps, bound)) : 0.0f;
+            shift[l] = l == k && n_valid > k ? logf((float)(n_valid - k)) : 0.0f;
+        }
+        forward_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, eps, bound, k, tz0, shift, c, ma, mp,
+                    a->tol, a->max_iter, a->max_halvings, a->out + r * n * k, a->info + 2 * r, w);
+    }
+    if (top != top_stack) free(top);
+}
+
+/* The sorted operator's forward (out (rows, n, k)). Returns 0, or a bit set: 1 = scratch memory could not be
+ * allocated, BAD_NAN, BAD_INF. at and slope NULL: eps (rows,) is the given temperature; else the paper
+ * scaling's (with anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
+int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, float bound, float *out, float *info,
+                             int64_t rows, int64_t n, int k, double tol, int max_iter, int max_halvings,
+                             float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
+    int status = 0;
+    forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, max_halvings, tol, &status, 0,
+                      at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
+    status |= parallel_rows(rows, n, k + 1, threads, sorted_forward_task, &a);
+    return status;
 }
 
 /* ---- many short rows: GROUP rows at a time, one per SIMD lane --------------------------------------------
@@ -848,7 +893,7 @@ static void group_sigmoid_sums(const float *restrict ut, const float *restrict w
 
 static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
     (void)w;
-    const unsorted_args *a = ctx;
+    const forward_args *a = ctx;
     int64_t n = a->n, r0 = g * GROUP;
     int k = a->k;
     float ut[GROUP_ROW * GROUP], wt[GROUP_ROW * GROUP], cur[GROUP_ROW * GROUP], trial[GROUP_ROW * GROUP];
@@ -1010,8 +1055,8 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
     int status = 0;
     int kk = k + 1 < n ? k + 1 : (int)n;
     int64_t groups = (n <= GROUP_ROW && kk <= SHORT_ROW_TOP) ? rows / GROUP : 0;
-    unsorted_args a = {x, eps, mask, bound, out, info, n, k, max_iter, tol, &status, groups * GROUP,
-                       at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
+    forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, 0, tol, &status, groups * GROUP,
+                      at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
     if (groups > 0) status |= parallel_rows(groups, n, 2, threads, unsorted_group_task, &a);
     if (rows > groups * GROUP) status |= parallel_rows(rows - groups * GROUP, n, 2, threads, unsorted_forward_task, &a);
     return status;
