@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from softtopk_fairseq.ops import backends, solvers
+from softtopk_fairseq.ops import backends
 
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
