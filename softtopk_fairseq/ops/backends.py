@@ -45,7 +45,7 @@ class KernelError(RuntimeError):
 
 
 class Backend:
-    """The PyTorch path; the base class whose hooks the fused backends override."""
+    """The PyTorch path; the base class whose entry points the fused backends override."""
 
     name = "torch"
 
