@@ -125,6 +125,25 @@ def test_bad_scores_raise_the_same_error_on_every_backend(backend, sorted):
     assert bool(torch.isfinite(out).all()) and float(out[1, 2].abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch"])
+@pytest.mark.parametrize("sorted", [False, True])
+@pytest.mark.parametrize("row", [1, 32])  # the C unsorted forward: a row of a group of 16, and one alone
+def test_scores_too_large_for_the_paper_scaling_raise_instead_of_nan(backend, sorted, row):
+    """Past |x| ~ 1.8e19 the paper scaling's temperature overflows float32 (the cost squares the scores): it is
+    +inf, every normalised score 0 -- the limit, a uniform output, as at 1e30 --, unless the row's range itself
+    overflows (x - centre = inf: inf / inf = NaN). There every backend raises, naming the cause and the fix."""
+    x = torch.randn(33, 6, device=_device(backend))
+    x[row, 3] = 1e30
+    out = soft_topk(x, 2, sorted=sorted, scaling="paper", backend=backend)
+    assert bool(torch.isfinite(out).all())
+    x[row, 4] = -3e38
+    x[row, 3] = 3e38
+    with pytest.raises(ValueError, match="scores too large for scaling='paper'.*scaling='none'"):
+        soft_topk(x, 2, sorted=sorted, scaling="paper", backend=backend)
+    out = soft_topk(x, 2, sorted=sorted, backend=backend)  # a given temperature: nothing overflows
+    assert bool(torch.isfinite(out).all())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sorted", [False, True])
 def test_masks_short_and_empty_rows(backend, sorted):

@@ -31,13 +31,16 @@ from torch import Tensor
 
 from softtopk_fairseq.ops import backward as implicit_backward
 from softtopk_fairseq.ops import cpu_kernels, solvers
-from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN
+from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, BAD_SCALE
 
 NAMES = ("auto", "torch", "triton", "cpu")
 NAN_SCORES = "soft_topk: scores contain NaN"
 # Only -inf (largest=True) / +inf (largest=False) marks an excluded entry.
 INF_SCORES = ("soft_topk: scores contain an infinity on the selected side (+inf with largest=True, -inf with "
               "largest=False); use mask=False to exclude")
+BAD_TEMPERATURE = ("soft_topk: scores too large for scaling='paper' in float32: the temperature (epsilon * max "
+                   "cost / 2, the cost squares the scores) is infinite and the scores' range overflows, so the "
+                   "normalised scores would be NaN; rescale the scores or use scaling='none'")
 
 
 class KernelError(RuntimeError):
@@ -59,7 +62,7 @@ class Backend:
         n_valid = valid.sum(-1)
         all_valid = bool((n_valid == x.shape[-1]).all())
         top = self.row_top(x, valid, min(k + 1, x.shape[-1]))
-        _check_scores(x, top, all_valid)
+        _check_scores(x, top, all_valid, eps, valid)
         kth = (n_valid.clamp(max=k) - 1).clamp_min(0).unsqueeze(-1)
         centre = top.gather(-1, kth).squeeze(-1)  # x_(k), the k-th largest valid score (0 for empty rows)
         centre = torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
@@ -270,25 +273,36 @@ def score_bound(dtype: torch.dtype, k: int) -> float:
 
 
 def _raise_for_status(status: int) -> None:
-    """A fused forward's report on the scores (``launch.BAD_NAN`` / ``BAD_INF`` bits)."""
+    """A fused forward's report (``launch.BAD_NAN`` / ``BAD_INF`` / ``BAD_SCALE`` bits)."""
     if status & BAD_NAN:
         raise ValueError(NAN_SCORES)
     if status & BAD_INF:
         raise ValueError(INF_SCORES)
+    if status & BAD_SCALE:
+        raise ValueError(BAD_TEMPERATURE)
 
 
 def _raise_for_row_status(status: Tensor) -> None:
     """:func:`_raise_for_status` on per-row status bits; one synchronisation unless some row is bad."""
     if bool(status.any()):
-        _raise_for_status(int((status & BAD_NAN).amax()) | int((status & BAD_INF).amax()))
+        _raise_for_status(sum(int((status & bit).amax()) for bit in (BAD_NAN, BAD_INF, BAD_SCALE)))
 
 
-def _check_scores(x: Tensor, top: Tensor, all_valid: bool) -> None:
+def _check_scores(x: Tensor, top: Tensor, all_valid: bool, eps: Tensor, valid: Tensor) -> None:
     """NaN or +inf among the valid scores shows up first in ``top`` (the row's largest valid scores); a NaN
-    under the mask is looked for separately (only when something is masked)."""
+    under the mask is looked for separately (only when something is masked); an infinite temperature is
+    looked at in the same synchronisation, and refused where the row's range overflows (``launch.BAD_SCALE``)."""
     first = top[:, 0]
-    if bool((torch.isnan(first) | (first == torch.inf)).any()) or (not all_valid and bool(torch.isnan(x).any())):
-        raise ValueError(NAN_SCORES if bool(torch.isnan(x).any()) else INF_SCORES)
+    infinite_eps = ~(eps < torch.inf)
+    if bool((torch.isnan(first) | (first == torch.inf) | infinite_eps).any()) or (
+            not all_valid and bool(torch.isnan(x).any())):
+        if bool(torch.isnan(x).any()):  # in the order of the fused kernels' status bits
+            raise ValueError(NAN_SCORES)
+        if bool((first == torch.inf).any()):
+            raise ValueError(INF_SCORES)
+        lowest = torch.where(valid, x, torch.inf).amin(-1)
+        if bool((infinite_eps & (first - lowest == torch.inf)).any()):
+            raise ValueError(BAD_TEMPERATURE)
 
 
 TORCH = Backend()

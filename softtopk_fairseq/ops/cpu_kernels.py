@@ -27,16 +27,14 @@ from typing import Optional
 
 import torch
 
-from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, ensure_contiguous
+from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous
 from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
-# The forwards report a batch's bad scores with launch.BAD_NAN / BAD_INF (bits of their return value; 1 = out
-# of memory).
+# The forwards report a batch's bad rows with launch.STATUS_BITS (bits of their return value; 1 = out of memory).
 # The solver constants come from solvers.py as -D flags (part of the cache key with the other flags), the
 # status bits from here.
-CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, "BAD_NAN": BAD_NAN,
-             "BAD_INF": BAD_INF}
+CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, **STATUS_BITS}
 # -fno-trapping-math: no floating-point exception is ever unmasked here; it lets gcc turn the selects around
 # divisions and comparisons into vector blends (the grouped unsorted solve's Newton step across 16 rows).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
@@ -143,8 +141,9 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8):
     """The sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask`` (rows, n)
     bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top, epsilon)``, the
     paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info (rows, 2), status --
-    0 or the bits ``launch.BAD_NAN`` (a NaN anywhere) / ``BAD_INF`` (+inf on a valid entry), for the caller to
-    raise on --, eps, at, slope); ``at`` and ``slope`` are None without ``paper``."""
+    0 or the bits of ``launch.STATUS_BITS`` (a NaN anywhere, +inf on a valid entry, a temperature that is not a
+    finite number > 0), for the caller to raise on --, eps, at, slope); ``at`` and ``slope`` are None without
+    ``paper``."""
     rows, n = x.shape
     return _forward(library().soft_topk_sorted_forward, (rows, n, k), x, mask, eps, k, bound, tol, max_iter, paper,
                     (int(max_halvings),))

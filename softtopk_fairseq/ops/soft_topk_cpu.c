@@ -20,12 +20,11 @@
 #define BLOCK 256
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
 /* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, SATURATION,
- * LOG_STEP_FRACTION) are
- * defined once, in solvers.py, and handed to this file as -D flags by cpu_kernels.py, with the status bits of
- * the forwards (BAD_NAN, BAD_INF). */
+ * LOG_STEP_FRACTION) are defined once, in solvers.py, and handed to this file as -D flags by cpu_kernels.py,
+ * with the status bits of the forwards (BAD_NAN, BAD_INF, BAD_SCALE: launch.py). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
     || !defined(RIDGE_ULPS) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) || !defined(BAD_NAN) \
-    || !defined(BAD_INF)
+    || !defined(BAD_INF) || !defined(BAD_SCALE)
 #error "compile with the -D flags of cpu_kernels.py (solvers.KERNEL_CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
@@ -683,8 +682,9 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
 /* ---- the forwards from the raw scores: what soft_topk.py and backends.Backend.solve prepare with tensor
  * operations for the PyTorch path, done per row (valid: not -inf, and mask true where the caller gives a
  * mask): the checks, the top-(k+1) valid scores, the centre x_(k), the temperature, the normalisation and the
- * start, then the solve. A NaN anywhere in the row, or +inf on a valid entry, sets a flag in *status (BAD_NAN /
- * BAD_INF) and leaves the row unsolved: the caller raises. */
+ * start, then the solve. A NaN anywhere in the row, +inf on a valid entry, or an infinite temperature with a
+ * range of scores that overflows (launch.py) sets a flag in *status (BAD_NAN / BAD_INF / BAD_SCALE) and leaves
+ * the row unsolved: the caller raises. */
 #define TOP_ON_STACK 64
 #define SHORT_ROW 256      /* rows up to this length take the branchless top-(k+1) ... */
 #define SHORT_ROW_TOP 8    /* ... when k + 1 is at most this */
@@ -780,6 +780,11 @@ static int prepare_row(const forward_args *a, int64_t r, float *top, int64_t *n_
         int64_t hi_at, lo_at;
         row_extremes(x, mask, n, &hi, &lo, &hi_at, &lo_at);
         paper_temperature_of(hi, lo, hi_at, lo_at, a->anchor_top, a->epsilon, a->eps + r, a->at + r, a->slope + r);
+    }
+    if (!(a->eps[r] < INFINITY) && top[0] - *lowest == INFINITY) {
+#pragma omp atomic update
+        *a->status |= BAD_SCALE;
+        return 0;
     }
     return 1;
 }
@@ -955,6 +960,12 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
                                  a->at + r0 + l, a->slope + r0 + l);
         eps[l] = a->eps[r0 + l];
         active[l] = nv > k;
+        if (!(eps[l] < INFINITY) && tw[0][l] - lowest[l] == INFINITY) bad = BAD_SCALE;
+    }
+    if (bad) {  /* (the whole group is left unsolved: the caller raises) */
+#pragma omp atomic update
+        *a->status |= bad;
+        return;
     }
     float bound = a->bound, log_kf = logf((float)k);
     double log_k = log_pos(k);

@@ -8,7 +8,7 @@ the potentials, then halving, accepted when the marginal error drops), same Hess
 
 * sorted forward (:func:`forward`): one program per row. It streams the row's raw scores to find what
   ``backends.Backend.solve`` prepares with a few dozen tensor operations -- the valid entries (not ``-inf``,
-  not masked), bad scores (a status, ``launch.BAD_NAN`` / ``BAD_INF``), the paper scaling's temperature, the
+  not masked), bad scores (a status, ``launch.STATUS_BITS``), the paper scaling's temperature, the
   top-(k+1) valid scores (one pass per distinct value), the centre x_(k), the anchor masses and the
   hard-assignment thresholds -- then keeps the thresholds (anchor axis padded to ``MP``), the anchor masses
   ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each Newton evaluation streams the scores once in
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, ensure_contiguous
+from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous
 from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
 # float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
@@ -185,13 +185,12 @@ def _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon):
 @triton.jit
 def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row, n, anchor_top, epsilon,
                           HAS_MASK: tl.constexpr, PAPER: tl.constexpr, BLOCK_N: tl.constexpr, BAD_NAN: tl.constexpr,
-                          BAD_INF: tl.constexpr):
-    """A forward's first pass over its row (:func:`_row_scan`): stores the row's status bits and, with ``PAPER``,
-    the paper scaling's temperature (eps, at, slope), else reads eps; returns (n_valid, status, the largest and
-    the smallest valid score, eps)."""
+                          BAD_INF: tl.constexpr, BAD_SCALE: tl.constexpr):
+    """A forward's first pass over its row (:func:`_row_scan`): with ``PAPER`` the paper scaling's temperature
+    (stores eps, at, slope), else reads eps; stores the row's status bits (``launch.STATUS_BITS``: a NaN, +inf
+    on a valid entry, an infinite temperature with a range of scores that overflows); returns (n_valid, status,
+    the largest and the smallest valid score, eps)."""
     n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
-    status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0)
-    tl.store(status_ptr + row, status)
     if PAPER:
         eps, at, slope = _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon)
         tl.store(eps_ptr + row, eps)
@@ -199,6 +198,9 @@ def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_p
         tl.store(slope_ptr + row, slope)
     else:
         eps = tl.load(eps_ptr + row)
+    bad_scale = ~(eps < float("inf")) & ((hi - lo) == float("inf"))
+    status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0) | tl.where(bad_scale, BAD_SCALE, 0)
+    tl.store(status_ptr + row, status)
     return n_valid, status, hi, lo, eps
 
 
@@ -232,7 +234,8 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
                              HAS_MASK: tl.constexpr, PAPER: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
                              LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
                              SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr,
-                             SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr):
+                             SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
+                             BAD_SCALE: tl.constexpr):
     """The sorted operator of one row from its raw scores: ``backends.Backend.solve``'s preparation, then
     ``solvers.newton_semi_dual``. ``valid_ptr``: the caller's bool mask (``HAS_MASK``); ``-inf`` is excluded
     in any case. ``PAPER``: the temperature is the paper scaling's (written to eps/at/slope), else read from
@@ -241,7 +244,7 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     lane = tl.arange(0, MP)
     n_valid, status, _, _, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row,
                                                        n, anchor_top, epsilon, HAS_MASK, PAPER, BLOCK_N, BAD_NAN,
-                                                       BAD_INF)
+                                                       BAD_INF, BAD_SCALE)
     # Anchors 0..k-1 (ranks) hold 1 each while there are valid entries for them; anchor k the other n - k.
     c = tl.where(lane < k, (lane < n_valid).to(tl.float32), 0.0)
     c = tl.where(lane == k, tl.maximum(n_valid - k, 0).to(tl.float32), c)
@@ -427,7 +430,8 @@ def _kth_largest(x_ptr, valid_ptr, row, n, kk, HAS_MASK: tl.constexpr, BLOCK_N: 
 def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr,
                                       n, k, bound, tol, max_iter, anchor_top, epsilon, HAS_MASK: tl.constexpr,
                                       PAPER: tl.constexpr, BLOCK_N: tl.constexpr, LOG_STEP_FRACTION: tl.constexpr,
-                                      SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr):
+                                      SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
+                                      BAD_SCALE: tl.constexpr):
     """The unsorted operator of one row from its raw scores (soft_topk_cpu.c's unsorted forward): the checks,
     the temperature (``PAPER``: the paper scaling's, written to eps/at/slope; else read from ``eps_ptr``), the
     centre x_(k), the hard-assignment start (solvers.unsorted_start), then solvers.newton_sigmoid_root:
@@ -436,7 +440,7 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
     row = tl.program_id(0)
     n_valid, status, top0, lowest, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr,
                                                                status_ptr, row, n, anchor_top, epsilon, HAS_MASK,
-                                                               PAPER, BLOCK_N, BAD_NAN, BAD_INF)
+                                                               PAPER, BLOCK_N, BAD_NAN, BAD_INF, BAD_SCALE)
     # The centre x_(k) (the smallest valid score when fewer than k are valid; 0 for an empty row) and the next.
     above, below = _kth_largest(x_ptr, valid_ptr, row, n, tl.maximum(tl.minimum(n_valid, k), 1), HAS_MASK, BLOCK_N)
     centre = tl.where((n_valid > 0) & (tl.abs(above) < float("inf")), above, 0.0)
@@ -567,7 +571,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, b
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
     (rows, n) bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top,
     epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info
-    (rows, 2), status (rows,) int32 -- ``launch.BAD_NAN`` / ``BAD_INF`` bits --, eps, at, slope); ``at`` and
+    (rows, 2), status (rows,) int32 -- ``launch.STATUS_BITS`` --, eps, at, slope); ``at`` and
     ``slope`` are None without ``paper``. ``block``/``num_warps``: launch parameters (default:
     :func:`block_n`, :func:`warps_for`)."""
     rows, n = x.shape
@@ -581,8 +585,8 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, b
         x, mask if mask is not None else x, eps, at if at is not None else info,
         slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
         int(max_halvings), float(anchor_top), float(epsilon), HAS_MASK=mask is not None, PAPER=paper is not None,
-        MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), SATURATION=SATURATION, BAD_NAN=BAD_NAN,
-        BAD_INF=BAD_INF, **KERNEL_CONSTANTS)
+        MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), SATURATION=SATURATION, **STATUS_BITS,
+        **KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
 
 
@@ -620,7 +624,7 @@ def unsorted_forward(x, mask, eps, k, bound, tol, max_iter, paper=None):
         x, mask if mask is not None else x, eps, at if at is not None else info, slope if slope is not None else info,
         out, info, status, n, k, float(bound), float(tol), int(max_iter), float(anchor_top), float(epsilon),
         HAS_MASK=mask is not None, PAPER=paper is not None, BLOCK_N=unsorted_block(n), SATURATION=SATURATION,
-        BAD_NAN=BAD_NAN, BAD_INF=BAD_INF, **UNSORTED_KERNEL_CONSTANTS)
+        **STATUS_BITS, **UNSORTED_KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
 
 
