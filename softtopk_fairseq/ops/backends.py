@@ -171,7 +171,7 @@ class FusedBackend(Backend):
         return False
 
     def raise_for_status(self, status) -> None:
-        """Raise ValueError on the status a forward launcher returned (``launch.BAD_NAN`` / ``BAD_INF`` bits)."""
+        """Raise ValueError on the status a forward launcher returned (``launch.STATUS_BITS``)."""
         raise NotImplementedError
 
     def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
