@@ -406,7 +406,7 @@ def _kth_largest(x_ptr, valid_ptr, row, n, kk, HAS_MASK: tl.constexpr, BLOCK_N: 
     than ``kk`` valid scores gets its smallest; with none, NaN: the caller substitutes.)"""
     lo = tl.full((), -2147483648, tl.int64)  # count(key >= lo) >= kk holds for lo = the smallest key
     hi = tl.full((), 2147483647, tl.int64)
-    for _ in tl.static_range(32):  # the key range, 2^32, halves per pass
+    for _ in range(32):  # the key range, 2^32, halves per pass
         mid = (lo + hi + 1) >> 1
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, n, BLOCK_N):
