@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous
+from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous, temperature_outputs
 from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
@@ -127,9 +127,7 @@ def paper_temperature(x, mask, anchor_top, epsilon):
     where the row's maximal cost sits and the derivative ``slope`` (rows,) of eps in that entry
     (``soft_topk._PaperTemperature`` states the math)."""
     rows, n = x.shape
-    eps = torch.empty((rows,), dtype=torch.float32)
-    slope = torch.empty((rows,), dtype=torch.float32)
-    at = torch.empty((rows,), dtype=torch.int64)
+    eps, at, slope, _, _ = temperature_outputs(x, None, (anchor_top, epsilon))
     _check(x, mask)
     library().soft_topk_paper_temperature(_ptr(x), _ptr(mask), rows, n, float(anchor_top), float(epsilon), _ptr(eps),
                                           _ptr(at), _ptr(slope), torch.get_num_threads())
@@ -141,9 +139,9 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8):
     """The sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask`` (rows, n)
     bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top, epsilon)``, the
     paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info (rows, 2), status --
-    0 or the bits of ``launch.STATUS_BITS`` (a NaN anywhere, +inf on a valid entry, a temperature that is not a
-    finite number > 0), for the caller to raise on --, eps, at, slope); ``at`` and ``slope`` are None without
-    ``paper``."""
+    0 or the bits of ``launch.STATUS_BITS`` (a NaN anywhere, +inf on a valid entry, an infinite temperature over
+    a range of scores that overflows), for the caller to raise on --, eps, at, slope); ``at`` and ``slope`` are
+    None without ``paper``."""
     rows, n = x.shape
     return _forward(library().soft_topk_sorted_forward, (rows, n, k), x, mask, eps, k, bound, tol, max_iter, paper,
                     (int(max_halvings),))
@@ -159,11 +157,7 @@ def _forward(entry, out_shape, x, mask, eps, k, bound, tol, max_iter, paper, ext
     rows, n = x.shape
     out = torch.empty(out_shape, dtype=torch.float32)
     info = torch.empty((rows, 2), dtype=torch.float32)
-    anchor_top, epsilon = paper if paper else (0.0, 0.0)
-    if paper:
-        eps = torch.empty((rows,), dtype=torch.float32)
-    at = torch.empty((rows,), dtype=torch.int64) if paper else None
-    slope = torch.empty((rows,), dtype=torch.float32) if paper else None
+    eps, at, slope, anchor_top, epsilon = temperature_outputs(x, eps, paper)
     _check(x, mask, eps)
     status = entry(_ptr(x), _ptr(mask), _ptr(eps), float(bound), _ptr(out), _ptr(info), rows, n, k, float(tol),
                    int(max_iter), *extra, float(anchor_top), float(epsilon), _ptr(at), _ptr(slope),

@@ -16,6 +16,19 @@ BAD_NAN, BAD_INF, BAD_SCALE = 2, 4, 8
 STATUS_BITS = {"BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF, "BAD_SCALE": BAD_SCALE}
 
 
+def temperature_outputs(x: torch.Tensor, eps, paper):
+    """The temperature arguments of a forward launch on (rows, n) scores ``x``: with ``paper = (anchor_top,
+    epsilon)`` the empty eps (float32), at (int64) and slope (float32) tensors, each (rows,) on x's device, that
+    the kernel fills with the paper scaling's temperature; else the given ``eps`` and None, None. Then anchor_top
+    and epsilon (0.0 without ``paper``)."""
+    if paper is None:
+        return eps, None, None, 0.0, 0.0
+    rows = x.shape[0]
+    return (torch.empty((rows,), dtype=torch.float32, device=x.device),
+            torch.empty((rows,), dtype=torch.int64, device=x.device),
+            torch.empty((rows,), dtype=torch.float32, device=x.device), *paper)
+
+
 def ensure_contiguous(fn):
     """Make every tensor argument of ``fn`` contiguous (a no-op for those already are)."""
 

@@ -757,6 +757,13 @@ static int scan_row(const float *x, const uint8_t *mask, int64_t n, int kk, floa
     return bad;
 }
 
+/* The rows' top-(k+1) holds kk = min(k + 1, n) scores. */
+static inline int top_count(const forward_args *a) { return a->k + 1 < a->n ? a->k + 1 : (int)a->n; }
+
+/* An infinite (or NaN) temperature normalises every score to 0 -- the eps -> inf limit -- except where the
+ * row's range hi - lo overflows too: inf / inf (launch.py's BAD_SCALE). */
+static inline int overflowing_scale(float eps, float hi, float lo) { return !(eps < INFINITY) && hi - lo == INFINITY; }
+
 /* A row's preparation shared by both forwards: scan_row into top (kk = min(k + 1, n) entries), then, unless
  * the row is bad (its bits go to *status: returns 0), its temperature (the paper scaling's when a->paper) and
  * its centre x_(k) (the smallest valid score when fewer than k are valid; 0 when none). Returns 1 when the row
@@ -764,10 +771,10 @@ static int scan_row(const float *x, const uint8_t *mask, int64_t n, int kk, floa
 static int prepare_row(const forward_args *a, int64_t r, float *top, int64_t *n_valid, float *lowest,
                        float *centre) {
     int64_t n = a->n;
-    int k = a->k, kk = k + 1 < n ? k + 1 : (int)n;
+    int k = a->k;
     const float *x = a->x + r * n;
     const uint8_t *mask = a->mask ? a->mask + r * n : NULL;
-    int bad = scan_row(x, mask, n, kk, top, n_valid, lowest);
+    int bad = scan_row(x, mask, n, top_count(a), top, n_valid, lowest);
     if (bad) {
 #pragma omp atomic update
         *a->status |= bad;
@@ -781,7 +788,7 @@ static int prepare_row(const forward_args *a, int64_t r, float *top, int64_t *n_
         row_extremes(x, mask, n, &hi, &lo, &hi_at, &lo_at);
         paper_temperature_of(hi, lo, hi_at, lo_at, a->anchor_top, a->epsilon, a->eps + r, a->at + r, a->slope + r);
     }
-    if (!(a->eps[r] < INFINITY) && top[0] - *lowest == INFINITY) {
+    if (overflowing_scale(a->eps[r], top[0], *lowest)) {
 #pragma omp atomic update
         *a->status |= BAD_SCALE;
         return 0;
@@ -792,7 +799,7 @@ static int prepare_row(const forward_args *a, int64_t r, float *top, int64_t *n_
 /* top: room for kk = min(k + 1, n) floats, on the stack when they fit; NULL (with *status's out-of-memory bit
  * set) when they do not fit and malloc fails. */
 static float *top_buffer(const forward_args *a, float *stack) {
-    int kk = a->k + 1 < a->n ? a->k + 1 : (int)a->n;
+    int kk = top_count(a);
     float *top = kk <= TOP_ON_STACK ? stack : malloc(sizeof(float) * kk);
     if (!top) {
 #pragma omp atomic update
@@ -960,7 +967,7 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
                                  a->at + r0 + l, a->slope + r0 + l);
         eps[l] = a->eps[r0 + l];
         active[l] = nv > k;
-        if (!(eps[l] < INFINITY) && tw[0][l] - lowest[l] == INFINITY) bad = BAD_SCALE;
+        if (overflowing_scale(eps[l], tw[0][l], lowest[l])) bad = BAD_SCALE;
     }
     if (bad) {  /* (the whole group is left unsolved: the caller raises) */
 #pragma omp atomic update

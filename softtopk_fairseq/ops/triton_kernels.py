@@ -3,8 +3,9 @@ way, from the raw scores: on a GPU a soft beam-search update, or a training step
 the host issuing operations, not by the GPU, so everything a call needs is done inside the kernel. The math is
 the one of ``solvers.py`` / ``backward.py`` and the schedule the one of the C kernels (``soft_topk_cpu.c``):
 same threshold parameterisation, same two starting points, same damping rule (trust region of ``MAX_STEP`` on
-the potentials, then halving, accepted when the marginal error drops), same Hessian and ridge. The solver constants are ``solvers.KERNEL_CONSTANTS`` (and
-``SATURATION``), passed in as constexpr arguments (never restated here).
+the potentials, then halving, accepted when the marginal error drops), same Hessian and ridge. The solver
+constants are ``solvers.KERNEL_CONSTANTS`` (and ``SATURATION``), and the status bits ``launch.STATUS_BITS``,
+passed in as constexpr arguments (never restated here).
 
 * sorted forward (:func:`forward`): one program per row. It streams the row's raw scores to find what
   ``backends.Backend.solve`` prepares with a few dozen tensor operations -- the valid entries (not ``-inf``,
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous
+from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous, temperature_outputs
 from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
 
 # float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
@@ -555,17 +556,6 @@ def warps_for(block: int, mp: int) -> int:
     return 8 if block * mp * mp >= 16384 else 4
 
 
-def _temperature_outputs(x, eps, paper):
-    """A forward's temperature arguments: with ``paper = (anchor_top, epsilon)`` the eps, at and slope tensors
-    the kernel fills, else the given eps and None, None; then anchor_top and epsilon (0 without paper)."""
-    if paper is None:
-        return eps, None, None, 0.0, 0.0
-    rows = x.shape[0]
-    return (torch.empty((rows,), dtype=torch.float32, device=x.device),
-            torch.empty((rows,), dtype=torch.int64, device=x.device),
-            torch.empty((rows,), dtype=torch.float32, device=x.device), *paper)
-
-
 @ensure_contiguous
 def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, block=None, num_warps=None):
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
@@ -580,7 +570,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, b
     out = torch.empty((rows, n, k), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
-    eps, at, slope, anchor_top, epsilon = _temperature_outputs(x, eps, paper)
+    eps, at, slope, anchor_top, epsilon = temperature_outputs(x, eps, paper)
     soft_topk_forward_kernel[(rows,)](
         x, mask if mask is not None else x, eps, at if at is not None else info,
         slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
@@ -619,7 +609,7 @@ def unsorted_forward(x, mask, eps, k, bound, tol, max_iter, paper=None):
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
-    eps, at, slope, anchor_top, epsilon = _temperature_outputs(x, eps, paper)
+    eps, at, slope, anchor_top, epsilon = temperature_outputs(x, eps, paper)
     soft_topk_unsorted_forward_kernel[(rows,)](
         x, mask if mask is not None else x, eps, at if at is not None else info, slope if slope is not None else info,
         out, info, status, n, k, float(bound), float(tol), int(max_iter), float(anchor_top), float(epsilon),
@@ -646,9 +636,7 @@ def paper_temperature(x, mask, anchor_top, epsilon):
     """Launch the paper-scaling temperature (the same arguments and results as ``cpu_kernels.paper_temperature``:
     ``eps``, ``at`` int64, ``slope``, each (rows,))."""
     rows, n = x.shape
-    eps = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    slope = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    at = torch.empty((rows,), dtype=torch.int64, device=x.device)
+    eps, at, slope, _, _ = temperature_outputs(x, None, (anchor_top, epsilon))
     has_mask = mask is not None
     paper_temperature_kernel[(rows,)](x, mask if has_mask else x, eps, at, slope, n, float(anchor_top),
                                       float(epsilon), HAS_MASK=has_mask, BLOCK_N=unsorted_block(n))
