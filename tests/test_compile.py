@@ -43,3 +43,17 @@ def test_opcheck():
     for sorted in (False, True):
         torch.library.opcheck(torch.ops.softtopk_fairseq.soft_topk.default,
                               (x.clone().requires_grad_(), valid, eps, 2, sorted, 1e-10, 50, "newton", "torch"))
+
+
+def test_compiled_call_reports_the_temperature_like_eager():
+    from softtopk_fairseq.ops import effective_epsilon
+
+    torch.manual_seed(1)
+    x = torch.randn(4, 9) * 3
+
+    def temperature(scores):
+        return soft_topk(scores, 2, epsilon=0.3, scaling="paper", return_info=True)[1].temperature
+
+    got = torch.compile(temperature, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, effective_epsilon(x, 2, epsilon=0.3, scaling="paper"))
+    torch.testing.assert_close(got, temperature(x))

@@ -69,6 +69,28 @@ def test_paper_temperature_matches_the_torch_path(backend):
         assert float(got[2][5]) == 0.0 and float(got[0][5]) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("sorted", [False, True])
+@pytest.mark.parametrize("scaling", ["none", "paper"])
+def test_info_reports_the_temperature_each_row_was_solved_at(backend, sorted, scaling):
+    """SolverInfo.temperature: effective_epsilon of each row (masks and -inf entries excluded), without autograd
+    -- callers reuse it (soft beam search's pruned-mass bound) instead of computing it again."""
+    from softtopk_fairseq.ops import effective_epsilon
+
+    torch.manual_seed(6)
+    x = (torch.randn(2, 5, 40) * 4).to(_device(backend))
+    x[0, 1, :7] = -torch.inf
+    mask = torch.rand(2, 5, 40, device=x.device) > 0.2
+    xg = x.clone().requires_grad_()
+    _, info = soft_topk(xg, 3, dim=-1, epsilon=0.2, sorted=sorted, scaling=scaling, mask=mask, backend=backend,
+                        return_info=True)
+    want = effective_epsilon(x, 3, epsilon=0.2, sorted=sorted, scaling=scaling, mask=mask)
+    assert info.temperature.shape == (2, 5) and not info.temperature.requires_grad
+    torch.testing.assert_close(info.temperature, want)
+    if scaling == "paper":
+        assert float(want.std()) > 0  # rows differ: a constant would not pass for a reason
+
+
 @pytest.mark.parametrize("sorted", [False, True])
 @pytest.mark.parametrize("n", [30, 100])  # unsorted: rows solved 16 at a time (n <= 64), and one by one
 def test_cpu_forward_computes_the_paper_temperature_it_solves_at(n, sorted):

@@ -9,7 +9,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
 from softtopk_fairseq.modules.soft_beam_search import OptimalTransport, Perturbed, SoftmaxKTimes, soft_beam_search
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
-from softtopk_fairseq.ops import soft_topk, softmax_k_times
+from softtopk_fairseq.ops import soft_topk
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
 
 
@@ -204,8 +204,8 @@ def test_perturbed_soft_loss_with_fixed_noise_matches_finite_differences(monkeyp
 
     class FixedA(Perturbed):
         def relax(self, kept):
-            A, iterations, error = super().relax(kept)
-            return A.detach(), iterations, error
+            relaxed = super().relax(kept)
+            return relaxed._replace(A=relaxed.A.detach())
 
     d = dictionary(10)
     model = build("lstm", d)
@@ -264,14 +264,14 @@ def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
         scores = torch.randn(5, 60, dtype=torch.float64) * 2
         full = soft_topk(scores, k, sorted=True, epsilon=epsilon)
         kept, idx = scores.topk(M, -1)
-        A = soft_topk(kept, k, sorted=True, epsilon=epsilon)
+        relaxation = OptimalTransport(k, epsilon, "none")
         rest = scores.scatter(1, idx, -torch.inf)
-        bound = OptimalTransport(k, epsilon, "none").pruned_mass(A, kept, rest.clone())
+        bound = relaxation.pruned_mass(relaxation.relax(kept), kept, rest.clone())
         true = full.sum(-1).sum(-1) - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum(-1).sum(-1)
         assert bool((true <= bound + 1e-12).all()), (true, bound)
     # softmax_k_times, rank 0: the exact pruned mass S_p / (S_p + S).
-    A2 = softmax_k_times(kept, 1, epsilon=epsilon)
-    got = SoftmaxKTimes(1, epsilon, "none").pruned_mass(A2, kept, rest.clone())
+    relaxation = SoftmaxKTimes(1, epsilon, "none")
+    got = relaxation.pruned_mass(relaxation.relax(kept), kept, rest.clone())
     want = 1 - torch.softmax(scores / epsilon, -1).gather(1, idx).sum(-1)
     torch.testing.assert_close(got, want)
 
@@ -290,7 +290,8 @@ def test_perturbed_pruned_mass_bound_bounds_the_full_problems_expectation(sigma)
                           generator=torch.Generator().manual_seed(1))
     true = k - full.gather(1, idx.unsqueeze(-1).expand(-1, -1, k)).sum((-1, -2))
     rest = scores.scatter(1, idx, -torch.inf)
-    bound = Perturbed(k, sigma, "none").pruned_mass(None, kept, rest.clone())
+    relaxation = Perturbed(k, sigma, "none")
+    bound = relaxation.pruned_mass(relaxation.relax(kept), kept, rest.clone())
     assert bool((true <= bound + 0.01).all()), (true, bound)
     assert bool((bound <= k * (1 + 1e-12)).all()) and bool((bound > 0).all())
     if sigma == 0.3:  # small noise: the bound is informative, not the cap

@@ -46,9 +46,18 @@ class SoftBeamOutput(NamedTuple):
     pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
 
 
+class Relaxed(NamedTuple):
+    """What a :class:`Relaxation` computed for one step's kept candidate scores (rows, M)."""
+
+    A: Tensor                    # (rows, M, k) the relaxed sorted top-k
+    temperature: Tensor          # (rows,) the smoothing scale each row used (:meth:`Relaxation.temperature`; detached)
+    iterations: Optional[Tensor]  # () the solver's mean iterations (None without a solver)
+    error: Optional[Tensor]       # () its max marginal error (None without a solver)
+
+
 class Relaxation:
-    """A relaxed sorted top-k of the candidate scores, ``A`` (rows, M, k); the variants override :meth:`relax`
-    and :meth:`pruned_mass`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
+    """A relaxed sorted top-k of the candidate scores; the variants override :meth:`relax` and
+    :meth:`pruned_mass`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
     log-likelihood units with ``scaling="none"``, normalised per sentence with ``"paper"``."""
 
     def __init__(self, k: int, epsilon: float, scaling: str, *, tol: Optional[float] = None,
@@ -61,17 +70,27 @@ class Relaxation:
         """(rows,) the smoothing scale of each row (:func:`~softtopk_fairseq.ops.effective_epsilon`)."""
         return effective_epsilon(scores, self.k, epsilon=self.epsilon, sorted=True, scaling=self.scaling)
 
-    def relax(self, kept: Tensor) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """``A`` of the kept scores (-inf entries excluded), with the solver's mean iterations and max
-        marginal error (None without a solver)."""
+    def relax(self, kept: Tensor) -> Relaxed:
+        """The relaxation of the kept scores (-inf entries excluded)."""
         raise NotImplementedError
 
-    def pruned_mass(self, A: Tensor, kept: Tensor, rest: Tensor) -> Tensor:
+    def pruned_mass(self, relaxed: Relaxed, kept: Tensor, rest: Tensor) -> Tensor:
         """(rows,) an upper bound on the rank mass (out of ``k``) the pruned candidates ``rest`` (-inf where
-        kept; overwritten) would get. ``kept``: the kept scores, best first, ``A`` their relaxation (no grad)."""
+        kept; overwritten) would get. ``kept``: the kept scores, best first, ``relaxed`` their relaxation
+        (:meth:`relax`); called under ``torch.no_grad()``."""
         raise NotImplementedError
 
-    def _log_sum_rest(self, kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def _divide_by_temperature(self, kept: Tensor) -> Tuple[Tensor, Tensor]:
+        """``kept / T`` per row, differentiable in ``T`` too (as the OT temperature is), and ``T`` detached.
+        Excluded candidates (-inf) stay -inf without entering the division: d(x / T)/dT at x = -inf would put
+        0 * inf = NaN into T's gradient under the paper scaling."""
+        temperature = self.temperature(kept)
+        live = kept > -torch.inf
+        scaled = torch.where(live, torch.where(live, kept, 0.0) / temperature.unsqueeze(-1), -torch.inf)
+        return scaled, temperature.detach()
+
+    @staticmethod
+    def _log_sum_rest(kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """``log sum_p exp((x_p - x_w) / T)`` over the pruned ``rest`` (in place), with ``x_w`` the weakest finite
         kept score (if some kept ones are -inf, nothing finite was pruned: the sum is 0); returns it, x_w and
         the weakest candidate's index (rows, 1)."""
@@ -86,15 +105,16 @@ class OptimalTransport(Relaxation):
     def relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
                             max_iter=self.max_iter, return_info=True)
-        return A, info.iterations.detach().float().mean(), info.error.detach().max()
+        return Relaxed(A, info.temperature, info.iterations.detach().float().mean(), info.error.detach().max())
 
-    def pruned_mass(self, A, kept, rest):
+    def pruned_mass(self, relaxed, kept, rest):
         r"""At the kept problem's dual potentials a candidate of score ``x`` gets
         :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
         candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
         over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
         the weakest kept candidate's rest mass (capped at ``k``, the total rank mass)."""
-        log_rest, _, weakest = self._log_sum_rest(kept, rest, self.temperature(kept))
+        A = relaxed.A
+        log_rest, _, weakest = self._log_sum_rest(kept, rest, relaxed.temperature)
         tiny = torch.finfo(A.dtype).tiny
         rank_mass = A.gather(1, weakest.unsqueeze(-1).expand(-1, 1, A.shape[-1])).squeeze(1).sum(-1)
         log_bound = torch.log(rank_mass.clamp_min(tiny)) - torch.log((1 - rank_mass).clamp_min(tiny)) + log_rest
@@ -103,17 +123,18 @@ class OptimalTransport(Relaxation):
 
 class SoftmaxKTimes(Relaxation):
     """k successive softmaxes, rank ``l`` removing the hard top-l (:func:`~softtopk_fairseq.ops.softmax_k_times`),
-    at the temperature SOFT top-k would use."""
+    at the temperature SOFT top-k would use (the scores divided by it here, the softmaxes at temperature 1)."""
 
     def relax(self, kept):
-        return softmax_k_times(kept, self.k, epsilon=self.epsilon, scaling=self.scaling), None, None
+        scaled, temperature = self._divide_by_temperature(kept)
+        return Relaxed(softmax_k_times(scaled, self.k, epsilon=1.0), temperature, None, None)
 
-    def pruned_mass(self, A, kept, rest):
+    def pruned_mass(self, relaxed, kept, rest):
         """Exact: the mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of
         ``exp(x / T)``)."""
-        temperature = self.temperature(kept)
+        temperature = relaxed.temperature
         log_rest, x_w, _ = self._log_sum_rest(kept, rest, temperature)
-        tiny = torch.finfo(A.dtype).tiny
+        tiny = torch.finfo(temperature.dtype).tiny
         logits = (kept - x_w) / temperature.unsqueeze(-1)
         top = torch.sort(logits, -1, descending=True).values[..., : self.k]
         lse_all = torch.logsumexp(logits, -1, keepdim=True)
@@ -130,19 +151,16 @@ class Perturbed(Relaxation):
     the scores divided by each row's sigma (differentiable in it, as the OT temperature is)."""
 
     def relax(self, kept):
-        sigma = self.temperature(kept).unsqueeze(-1)
-        # Excluded candidates (-inf) stay -inf without entering the division: d(x / sigma)/d sigma at x = -inf
-        # would put 0 * inf = NaN into sigma's gradient under the paper scaling.
-        live = kept > -torch.inf
-        scaled = torch.where(live, torch.where(live, kept, 0.0) / sigma, -torch.inf)
-        return perturbed_topk(scaled, self.k, sigma=1.0, samples=self.samples, sorted=True), None, None
+        scaled, sigma = self._divide_by_temperature(kept)
+        return Relaxed(perturbed_topk(scaled, self.k, sigma=1.0, samples=self.samples, sorted=True), sigma, None,
+                       None)
 
-    def pruned_mass(self, A, kept, rest):
+    def pruned_mass(self, relaxed, kept, rest):
         r"""A pruned candidate ``p`` (``x_p <= x_k``, the k-th best kept score) holds a rank of
         ``top-k(x + sigma Z)`` only if it beats one of the k best kept candidates ``j``, so its rank mass is at
         most :math:`\sum_{j \le k} \Phi((x_p - x_j) / (\sigma\sqrt 2)) \le k\,\Phi((x_p - x_k)/(\sigma\sqrt 2))`
         -- a bound on the expectation, not on the Monte-Carlo estimate; summed over ``p``, capped at ``k``."""
-        sigma = self.temperature(kept).unsqueeze(-1)
+        sigma = relaxed.temperature.unsqueeze(-1)
         x_k = kept[:, self.k - 1: self.k]
         live = (rest > -torch.inf) & (x_k > -torch.inf)
         z = torch.where(live, (rest - torch.where(live, x_k, 0.0)) / (sigma * math.sqrt(2.0)), -torch.inf)
@@ -314,13 +332,14 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             if t == T - 1:
                 break
             c = _candidates(cum, lprobs, banned, candidates)
-            A, iterations, error = relax.relax(c.kept)
-            iters.append(iterations if iterations is not None else lprobs.new_zeros(()))
-            errs.append(error if error is not None else lprobs.new_zeros(()))
+            relaxed = relax.relax(c.kept)
+            A = relaxed.A
+            iters.append(relaxed.iterations if relaxed.iterations is not None else lprobs.new_zeros(()))
+            errs.append(relaxed.error if relaxed.error is not None else lprobs.new_zeros(()))
             if c.index is not None:
                 with torch.no_grad():
                     rest = c.all_scores.scatter_(1, c.index, -torch.inf)  # the pruned ones (not reused)
-                    pruned += relax.pruned_mass(A.detach(), c.kept_scores, rest).float()
+                    pruned += relax.pruned_mass(relaxed, c.kept_scores, rest).float()
             parent, token, cum = _follow(A, c, bookkeeping, V)
             order = (base + parent).view(-1)
             mixing, soft = _soft_order_and_input(A, c, embed, V)

@@ -53,6 +53,7 @@ class SolverInfo(NamedTuple):
     iterations: Tensor
     error: Tensor  # max relative error of the anchor masses
     converged: Tensor
+    temperature: Tensor  # the temperature the row was solved at, in score units (effective_epsilon; detached)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -136,13 +137,17 @@ class _SoftTopKEager(torch.autograd.Function):
     def forward(ctx, x, mask, epsilon, scaling, k, sorted, tol, max_iter, method, backend):
         out, info, eps, at, slope = _solve_with_temperature(x, mask, epsilon, scaling, k, sorted, tol, max_iter,
                                                             method, backend)
-        ctx.mark_non_differentiable(info)
+        # eps is returned for SolverInfo only: dL/deps * d eps / d x is added by this node's backward.
+        ctx.mark_non_differentiable(info, eps)
+        ctx.set_materialize_grads(False)  # no zero gradients built for info and eps (two launches per call)
         ctx.save_for_backward(out, x, mask, eps, at, slope)
         ctx.k, ctx.sorted, ctx.backend = k, sorted, backend
-        return out, info
+        return out, info, eps
 
     @staticmethod
-    def backward(ctx, grad_out, grad_info):
+    def backward(ctx, grad_out, grad_info, grad_eps_reported):
+        if grad_out is None:  # not materialised (set_materialize_grads): the loss does not depend on out
+            return (None,) * 10
         out, x, mask, eps, at, slope = ctx.saved_tensors
         paper = at is not None
         grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted, ctx.backend,
@@ -304,7 +309,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
             installed, C on CPU when a C compiler is (see ``cpu_kernels``) -- PyTorch otherwise),
             ``"torch"``, ``"triton"`` or ``"cpu"`` (both float32 only; ``"triton"`` with
             ``TRITON_INTERPRET=1`` also runs on CPU tensors, slowly -- for tests).
-        return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged) per row.
+        return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged, temperature)
+            per row.
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
@@ -329,9 +335,10 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     if compiling:
         eps = _row_temperature(x, row_mask, k, epsilon, sorted, scaling, backend, method)
         out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend)
+        eps = eps.detach()
     else:
-        out, info = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol), int(max_iter),
-                                         method, backend)
+        out, info, eps = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol),
+                                              int(max_iter), method, backend)
     # tol=0 asks for exactly max_iter iterations: nothing to warn. Rows may also stop early at their rounding
     # floor (float32 scores far from 0 relative to epsilon carry only ~1e-7 * |x| / epsilon of information);
     # that is reported in the info, not warned about. (The row-wise test only when some row reached max_iter.)
@@ -351,7 +358,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     if return_info:
         iters = info[:, 0].reshape(batch_shape)
         err = info[:, 1].reshape(batch_shape)
-        return out, SolverInfo(iters, err, err <= tol)
+        return out, SolverInfo(iters, err, err <= tol, eps.reshape(batch_shape))
     return out
 
 
