@@ -102,16 +102,16 @@ def time_updates(model, criterion, sample, device, repeats):
 def child(cfg):
     from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     model, task, sample, device = build_model_and_sample(cfg)
     if cfg["criterion"] == "tf":
         criterion = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
     else:
-        criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=cfg["rho"],
-                                            soft_beam_size=cfg["beam"], soft_beam_candidates=cfg["candidates"],
-                                            soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"],
-                                            perturbed_samples=cfg["samples"])
+        criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+            sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=cfg["rho"], soft_beam_size=cfg["beam"],
+            soft_beam_candidates=cfg["candidates"], soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"],
+            perturbed_samples=cfg["samples"]))
     seconds, log, peak = time_updates(model, criterion, sample, device, cfg["repeats"])
     print(json.dumps({"seconds": seconds, "peak_mib": peak,
                       "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),

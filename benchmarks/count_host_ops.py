@@ -89,12 +89,13 @@ def count_soft_beam(backend, top):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_soft_beam import build_model_and_sample
 
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     cfg = dict(arch="lstm", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
     model, task, sample, _ = build_model_and_sample(cfg)
-    criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=0.8, soft_beam_size=5,
-                                        soft_beam_candidates=50, soft_topk_scaling="paper")
+    criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8, soft_beam_size=5, soft_beam_candidates=50,
+        soft_topk_scaling="paper"))
     mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
     print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, beam 5, M 50, paper scaling), "
           f"backend {backend}: {sum(mode.sources.values())} tensor operations (views left out), {syncs} "

@@ -66,16 +66,16 @@ def operator_rows(shapes, samples_list, seeds, sorted_output):
 def criterion_rows(samples_list, seeds):
     from bench_soft_beam import build_model_and_sample
 
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     cfg = dict(arch="lstm", threads=torch.get_num_threads(), device="cpu", bsz=16, src_len=14, tgt_len=16,
                vocab=8000)
     model, task, sample, _ = build_model_and_sample(cfg)
     model.eval()  # no dropout: the perturbation is the only noise
     for samples in samples_list:
-        criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=0.0, soft_beam_size=5,
-                                            soft_beam_candidates=50, soft_topk_method="perturbed",
-                                            perturbed_sigma=SIGMA, perturbed_samples=samples)
+        criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+            sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.0, soft_beam_size=5,
+            soft_beam_candidates=50, soft_topk_method="perturbed", perturbed_sigma=SIGMA, perturbed_samples=samples))
         grads = []
         for seed in range(seeds):
             torch.manual_seed(seed)

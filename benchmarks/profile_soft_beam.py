@@ -27,10 +27,11 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     model, task, sample, device = build_model_and_sample(dict(batch_config(a), arch=a.arch))
-    criterion = SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=a.rho, soft_beam_candidates=a.candidates)
+    criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=a.rho, soft_beam_candidates=a.candidates))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 
     one_update(model, criterion, sample, optimizer, device)  # warm-up

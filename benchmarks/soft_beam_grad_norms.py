@@ -12,7 +12,7 @@ import softtopk_fairseq.fairseq_plugin  # noqa: F401
 from fairseq import checkpoint_utils
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 import softtopk_fairseq.modules.soft_beam_search as search
-from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
 NATS = dict(soft_topk_scaling="none")  # epsilon in nats of log-likelihood
 SETTINGS = [dict(NATS, soft_topk_epsilon=0.01), dict(NATS, soft_topk_epsilon=0.1), dict(NATS, soft_topk_epsilon=1.0),
@@ -71,8 +71,9 @@ def main():
     loss, norm = measure(LabelSmoothedCrossEntropyCriterion(task, False, 0.1))
     print(f"| label_smoothed_cross_entropy | {loss:.3f} | {norm:.3f} |")
     for setting in SETTINGS:
-        loss, norm = measure(SoftBeamSearchCriterion(task, False, 0.1, teacher_forcing_ratio=0.0,
-                                                     soft_beam_candidates=a.candidates, **setting))
+        loss, norm = measure(SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+            sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.0, soft_beam_candidates=a.candidates,
+            **setting)))
         print(f"| soft_beam_search rho 0, {setting} | {loss:.3f} | {norm:.3f} |")
 
 

@@ -35,8 +35,9 @@ def _worker(rank, port, result_path, route):
     for rho, mode in CASES:
         model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(
             build("lstm", d, dtype=torch.float32, seed=0)))
-        criterion = criterion_module.SoftBeamSearchCriterion(
-            TinyTask(d), False, 0.1, teacher_forcing_ratio=rho, teacher_forcing_mode=mode, soft_beam_size=3)
+        criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(d), criterion_module.SoftBeamSearchConfig(
+            sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, teacher_forcing_mode=mode,
+            soft_beam_size=3))
         torch.manual_seed(0)  # fairseq seeds every worker alike for each update: the same draw in sample mode
         loss, _, log = criterion(model, batch(d, seed=rank + 1))  # a different batch on each rank
         loss.backward()

@@ -483,7 +483,7 @@ def test_soft_beam_criterion_on_the_fused_backend_matches_the_torch_path(backend
     """The whole criterion (tiny LSTM, float32, rho 0.5) with every soft_topk call forced onto the backend
     (Triton in the interpreter on CPU): same loss and gradients as on the PyTorch path, and the forced
     backend's kernels really ran."""
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
     from softtopk_fairseq.ops import backends
     from tiny_models import TinyTask, batch, build, dictionary
 
@@ -498,7 +498,8 @@ def test_soft_beam_criterion_on_the_fused_backend_matches_the_torch_path(backend
     results = []
     for b in (backend, "torch"):
         model = build("lstm", d, dtype=torch.float32).to(device)
-        criterion = SoftBeamSearchCriterion(TinyTask(d), False, 0.1, teacher_forcing_ratio=0.5, soft_beam_size=3)
+        criterion = SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(
+            sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.5, soft_beam_size=3))
         loss, _, _ = _forced(b, lambda: criterion(model, sample))
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))

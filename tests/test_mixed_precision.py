@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
-from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 from tiny_models import TinyTask, batch, build, dictionary
 
 REGIMES = [("cpu", "autocast_bf16"), ("cpu", "bf16_model")]
@@ -55,8 +55,8 @@ def _train_updates(model, criterion, sample, device, regime, updates=3):
 def test_soft_beam_search_trains_in_mixed_precision(device, regime, arch):
     d = dictionary(12)
     model, sample = _prepare(build(arch, d, dtype=torch.float32, dropout=0.1), batch(d), device, regime)
-    criterion = SoftBeamSearchCriterion(TinyTask(d), False, 0.1, teacher_forcing_ratio=0.5, soft_beam_size=3,
-                                        soft_beam_candidates=8)
+    criterion = SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(
+        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_candidates=8))
     logs = _train_updates(model, criterion, sample, device, regime)
     for log in logs:
         for key in ("tf_loss", "soft_loss"):

@@ -6,7 +6,7 @@ import torch
 
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.sequence_generator import SequenceGenerator
-from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchCriterion
+from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 from softtopk_fairseq.modules.soft_beam_search import OptimalTransport, Perturbed, SoftmaxKTimes, soft_beam_search
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
 from softtopk_fairseq.ops import soft_topk
@@ -301,8 +301,8 @@ def test_perturbed_pruned_mass_bound_bounds_the_full_problems_expectation(sigma)
 # ------------------------------------------------------------------------------------ criterion ---------
 
 def _criterion(task, rho, **kw):
-    return SoftBeamSearchCriterion(task, sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho,
-                                   soft_beam_size=3, **kw)
+    return SoftBeamSearchCriterion(task, SoftBeamSearchConfig(sentence_avg=False, label_smoothing=0.1,
+                                                             teacher_forcing_ratio=rho, soft_beam_size=3, **kw))
 
 
 def _loss_and_grads(criterion, model, sample):
@@ -370,6 +370,19 @@ def test_criterion_rejects_bad_flags():
         rho = kw.pop("rho")
         with pytest.raises(ValueError, match=match):
             _criterion(task, rho, **kw)
+    # Outside fairseq a config without sentence_avg holds fairseq's interpolation string, which is truthy.
+    with pytest.raises(ValueError, match="sentence_avg"):
+        SoftBeamSearchCriterion(task, SoftBeamSearchConfig())
+
+
+def test_criterion_defaults_are_the_config_fields():
+    """Each default is written once, in SoftBeamSearchConfig: a criterion built from it searches with them."""
+    config = SoftBeamSearchConfig(sentence_avg=False)
+    criterion = SoftBeamSearchCriterion(TinyTask(dictionary(8)), config)
+    assert criterion.rho == config.teacher_forcing_ratio == 0.8 and not criterion.sample_mode
+    assert criterion.search_options == dict(beam=5, relaxation="ot", epsilon=0.1, scaling="paper", tol=None,
+                                            max_iter=None, candidates=0, bookkeeping="argmax",
+                                            samples=config.perturbed_samples)
 
 
 def test_decoder_without_embed_tokens_is_a_clear_error():

@@ -108,35 +108,38 @@ def run_inside_ddp_forward(model, fn):
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 teacher_forcing_ratio=0.8, teacher_forcing_mode="sum", soft_beam_size=5, soft_topk_method="ot",
-                 soft_topk_epsilon=0.1, soft_topk_scaling="paper", soft_topk_tol=None, soft_topk_max_iter=None,
-                 soft_beam_candidates=0, soft_beam_bookkeeping="argmax", perturbed_sigma=0.1,
-                 perturbed_samples=PERTURBED_SAMPLES):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        if not 0.0 <= teacher_forcing_ratio <= 1.0:
-            raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
-        if soft_beam_size < 1:
-            raise ValueError(f"--soft-beam-size must be >= 1, got {soft_beam_size}")
-        if not soft_topk_epsilon > 0:
-            raise ValueError(f"--soft-topk-epsilon must be > 0, got {soft_topk_epsilon}")
-        if not (math.isfinite(perturbed_sigma) and perturbed_sigma > 0):
-            raise ValueError(f"--perturbed-sigma must be a finite number > 0, got {perturbed_sigma}")
-        if perturbed_samples < 1:
-            raise ValueError(f"--perturbed-samples must be >= 1, got {perturbed_samples}")
-        if 0 < soft_beam_candidates < soft_beam_size:
-            raise ValueError(f"--soft-beam-candidates ({soft_beam_candidates}) must be 0 or >= --soft-beam-size "
-                             f"({soft_beam_size})")
-        if ignore_prefix_size > 0:
+    def __init__(self, task, cfg: SoftBeamSearchConfig):
+        """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a
+        :class:`SoftBeamSearchConfig`, whose fields hold the defaults (``sentence_avg`` has none there: fairseq
+        fills it from ``--sentence-avg``)."""
+        if not isinstance(cfg.sentence_avg, bool):  # a bare SoftBeamSearchConfig() holds "${optimization...}"
+            raise ValueError(f"soft_beam_search: sentence_avg must be True or False, got {cfg.sentence_avg!r} "
+                             "(fairseq sets it from --sentence-avg; pass SoftBeamSearchConfig(sentence_avg=...))")
+        super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size, cfg.report_accuracy)
+        if not 0.0 <= cfg.teacher_forcing_ratio <= 1.0:
+            raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {cfg.teacher_forcing_ratio}")
+        if cfg.soft_beam_size < 1:
+            raise ValueError(f"--soft-beam-size must be >= 1, got {cfg.soft_beam_size}")
+        if not cfg.soft_topk_epsilon > 0:
+            raise ValueError(f"--soft-topk-epsilon must be > 0, got {cfg.soft_topk_epsilon}")
+        if not (math.isfinite(cfg.perturbed_sigma) and cfg.perturbed_sigma > 0):
+            raise ValueError(f"--perturbed-sigma must be a finite number > 0, got {cfg.perturbed_sigma}")
+        if cfg.perturbed_samples < 1:
+            raise ValueError(f"--perturbed-samples must be >= 1, got {cfg.perturbed_samples}")
+        if 0 < cfg.soft_beam_candidates < cfg.soft_beam_size:
+            raise ValueError(f"--soft-beam-candidates ({cfg.soft_beam_candidates}) must be 0 or >= --soft-beam-size "
+                             f"({cfg.soft_beam_size})")
+        if cfg.ignore_prefix_size > 0:
             raise ValueError("soft_beam_search does not support --ignore-prefix-size")
-        self.rho = teacher_forcing_ratio
-        self.sample_mode = str(teacher_forcing_mode) == "sample"
-        method = str(soft_topk_method)
+        self.rho = cfg.teacher_forcing_ratio
+        self.sample_mode = str(cfg.teacher_forcing_mode) == "sample"
+        method = str(cfg.soft_topk_method)
         self.search_options = dict(
-            beam=soft_beam_size, relaxation=method,
-            epsilon=perturbed_sigma if method == "perturbed" else soft_topk_epsilon,
-            scaling=str(soft_topk_scaling), tol=soft_topk_tol, max_iter=soft_topk_max_iter,
-            candidates=soft_beam_candidates, bookkeeping=str(soft_beam_bookkeeping), samples=perturbed_samples)
+            beam=cfg.soft_beam_size, relaxation=method,
+            epsilon=cfg.perturbed_sigma if method == "perturbed" else cfg.soft_topk_epsilon,
+            scaling=str(cfg.soft_topk_scaling), tol=cfg.soft_topk_tol, max_iter=cfg.soft_topk_max_iter,
+            candidates=cfg.soft_beam_candidates, bookkeeping=str(cfg.soft_beam_bookkeeping),
+            samples=cfg.perturbed_samples)
         self.eos = task.target_dictionary.eos()
 
     def forward(self, model, sample, reduce=True):
