@@ -171,3 +171,33 @@ def test_incremental_decoding_equals_full_forward(arch, extra, mode):
     torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], rtol=1e-9, atol=1e-9)
     modes = {m.topk_mode for m in model.modules() if hasattr(m, "topk_mode")}
     assert modes == {mode}
+
+
+# ------------------------------------------------------------------------------- the flags -------------
+
+@pytest.mark.parametrize("arch", ["transformer_topk_attn", "lstm_topk_attn", "rnnsearch_topk_attn"])
+def test_flags_come_from_the_config_and_absent_ones_get_its_defaults(arch):
+    """The flags are generated from TopkAttentionConfig (help and default written once): parsing sets what is
+    given, the architecture fills the rest from the config's fields -- also for saved arguments that predate a
+    flag -- and a bad choice is refused by the parser."""
+    import argparse
+    from dataclasses import fields
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+    from softtopk_fairseq.models.topk_attention import TopkAttentionConfig, TransformerTopkAttentionConfig
+
+    config = TransformerTopkAttentionConfig if arch.startswith("transformer") else TopkAttentionConfig
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)  # as fairseq's model-flag group
+    ARCH_MODEL_REGISTRY[arch].add_args(parser)
+    args = parser.parse_args(["--topk-attn-k", "3", "--topk-attn-mode", "hard"])
+    given = {name: value for name, value in vars(args).items() if name.startswith("topk_attn")}
+    assert given == {"topk_attn_k": 3, "topk_attn_mode": "hard"}  # no parser defaults: the arch sets them
+    ARCH_CONFIG_REGISTRY[arch](args)
+    want = {f.name: f.default for f in fields(config)}
+    assert {name: getattr(args, name) for name in want} == {**want, "topk_attn_k": 3, "topk_attn_mode": "hard"}
+    assert (arch == "transformer_topk_attn") == hasattr(args, "topk_attn_layers")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--topk-attn-inference", "bogus"])
+    saved = argparse.Namespace(topk_attn_k=2, topk_attn_epsilon=0.5, topk_attn_mode="soft", topk_attn_inference="same")
+    ARCH_CONFIG_REGISTRY[arch](saved)  # an older checkpoint's arguments, without --topk-attn-samples
+    assert saved.topk_attn_samples == TopkAttentionConfig.topk_attn_samples and saved.topk_attn_epsilon == 0.5

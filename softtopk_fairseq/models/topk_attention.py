@@ -16,9 +16,12 @@ Flags (all architectures):
 * transformer only: ``--topk-attn-layers`` which attentions use it, a comma list of ``encoder-decoder``
   (default), ``decoder-self``, ``encoder-self``.
 """
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Optional, Type
 
 import torch
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.lstm import AttentionLayer, LSTMModel
 from fairseq.models.lstm import base_architecture as lstm_base_architecture
@@ -100,33 +103,48 @@ class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
         return torch.tanh(self.output_proj(torch.cat((x, input), dim=1))), weights
 
 
-def add_topk_args(parser, layers: bool):
-    parser.add_argument("--topk-attn-k", type=int, metavar="K", help="keys each query attends to")
-    parser.add_argument("--topk-attn-epsilon", type=float, metavar="EPS",
-                        help="SOFT top-k temperature, in attention-logit units (the noise's standard deviation "
-                             "with --topk-attn-mode perturbed)")
-    parser.add_argument("--topk-attn-samples", type=int, metavar="S",
-                        help=f"Gaussian perturbations per call with --topk-attn-mode perturbed "
-                             f"(default {DEFAULT_SAMPLES})")
-    parser.add_argument("--topk-attn-mode", choices=MODES, help="attention weights in training")
-    parser.add_argument("--topk-attn-inference", choices=MODES + ("same",),
-                        help="attention weights in eval mode / fairseq-generate ('same' = as in training)")
-    if layers:
-        parser.add_argument("--topk-attn-layers", metavar="KINDS",
-                            help=f"comma list of attentions using top-k: {', '.join(ATTENTION_KINDS)}")
+@dataclass
+class TopkAttentionConfig(FairseqDataclass):
+    """The top-k attention flags of every ``*_topk_attn`` architecture: help and default written once, here
+    (``add_args`` generates the flags from it; the architecture functions fill what a run or an older
+    checkpoint's arguments lack)."""
+
+    topk_attn_k: int = field(default=8, metadata={"help": "keys each query attends to"})
+    topk_attn_epsilon: float = field(
+        default=0.1, metadata={"help": "SOFT top-k temperature, in attention-logit units (the noise's standard "
+                                       "deviation with --topk-attn-mode perturbed)"})
+    topk_attn_samples: int = field(
+        default=DEFAULT_SAMPLES, metadata={"help": "Gaussian perturbations per call with --topk-attn-mode "
+                                                   "perturbed"})
+    topk_attn_mode: ChoiceEnum(MODES) = field(default="soft", metadata={"help": "attention weights in training"})
+    topk_attn_inference: ChoiceEnum(MODES + ("same",)) = field(
+        default="same", metadata={"help": "attention weights in eval mode / fairseq-generate ('same' = as in "
+                                          "training)"})
+
+
+@dataclass
+class TransformerTopkAttentionConfig(TopkAttentionConfig):
+    topk_attn_layers: str = field(
+        default="encoder-decoder", metadata={"help": f"comma list of attentions using top-k: "
+                                                     f"{', '.join(ATTENTION_KINDS)}"})
+
+
+def add_topk_args(parser, config: Type[TopkAttentionConfig]):
+    # No defaults in the parser (fairseq's convention for model flags): the architecture functions set them,
+    # so that a checkpoint's saved arguments keep their values.
+    gen_parser_from_dataclass(parser, config(), delete_default=True)
+
+
+def topk_defaults(args, config: Type[TopkAttentionConfig]):
+    """The default of every flag of ``config`` that ``args`` lacks."""
+    for flag in fields(config):
+        if not hasattr(args, flag.name):
+            setattr(args, flag.name, flag.default)
 
 
 def topk_options(args):
-    return dict(k=args.topk_attn_k, epsilon=args.topk_attn_epsilon, mode=args.topk_attn_mode,
-                inference=args.topk_attn_inference, samples=args.topk_attn_samples)
-
-
-def topk_defaults(args):
-    args.topk_attn_k = getattr(args, "topk_attn_k", 8)
-    args.topk_attn_epsilon = getattr(args, "topk_attn_epsilon", 0.1)
-    args.topk_attn_mode = getattr(args, "topk_attn_mode", "soft")
-    args.topk_attn_inference = getattr(args, "topk_attn_inference", "same")
-    args.topk_attn_samples = getattr(args, "topk_attn_samples", DEFAULT_SAMPLES)
+    return dict(k=args.topk_attn_k, epsilon=args.topk_attn_epsilon, mode=str(args.topk_attn_mode),
+                inference=str(args.topk_attn_inference), samples=args.topk_attn_samples)
 
 
 @register_model("transformer_topk_attn")
@@ -134,7 +152,7 @@ class TransformerTopkAttnModel(TransformerModel):
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)
-        add_topk_args(parser, layers=True)
+        add_topk_args(parser, TransformerTopkAttentionConfig)
 
     @classmethod
     def build_model(cls, args, task):
@@ -155,32 +173,27 @@ class TransformerTopkAttnModel(TransformerModel):
         return model
 
 
-def _transformer_topk_defaults(args):
-    topk_defaults(args)
-    args.topk_attn_layers = getattr(args, "topk_attn_layers", "encoder-decoder")
-
-
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn")
 def transformer_topk_attn(args):
-    _transformer_topk_defaults(args)
+    topk_defaults(args, TransformerTopkAttentionConfig)
     transformer_base_architecture(args)
 
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn_iwslt_de_en")
 def transformer_topk_attn_iwslt_de_en(args):
-    _transformer_topk_defaults(args)
+    topk_defaults(args, TransformerTopkAttentionConfig)
     transformer_iwslt_de_en(args)
 
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn_wmt_en_de")
 def transformer_topk_attn_wmt_en_de(args):
-    _transformer_topk_defaults(args)
+    topk_defaults(args, TransformerTopkAttentionConfig)
     transformer_wmt_en_de(args)
 
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn_vaswani_wmt_en_de_big")
 def transformer_topk_attn_vaswani_wmt_en_de_big(args):
-    _transformer_topk_defaults(args)
+    topk_defaults(args, TransformerTopkAttentionConfig)
     transformer_vaswani_wmt_en_de_big(args)
 
 
@@ -189,7 +202,7 @@ class LSTMTopkAttnModel(LSTMModel):
     @staticmethod
     def add_args(parser):
         LSTMModel.add_args(parser)
-        add_topk_args(parser, layers=False)
+        add_topk_args(parser, TopkAttentionConfig)
 
     @classmethod
     def build_model(cls, args, task):
@@ -202,7 +215,7 @@ class LSTMTopkAttnModel(LSTMModel):
 
 @register_model_architecture("lstm_topk_attn", "lstm_topk_attn")
 def lstm_topk_attn(args):
-    topk_defaults(args)
+    topk_defaults(args, TopkAttentionConfig)
     lstm_base_architecture(args)
 
 
@@ -211,7 +224,7 @@ class RNNSearchTopkAttnModel(RNNSearchModel):
     @staticmethod
     def add_args(parser):
         RNNSearchModel.add_args(parser)
-        add_topk_args(parser, layers=False)
+        add_topk_args(parser, TopkAttentionConfig)
 
     @classmethod
     def build_model(cls, args, task):
@@ -222,11 +235,11 @@ class RNNSearchTopkAttnModel(RNNSearchModel):
 
 @register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn")
 def rnnsearch_topk_attn(args):
-    topk_defaults(args)
+    topk_defaults(args, TopkAttentionConfig)
     rnnsearch_base_architecture(args)
 
 
 @register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn_wmt14_en_fr")
 def rnnsearch_topk_attn_wmt14_en_fr(args):
-    topk_defaults(args)
+    topk_defaults(args, TopkAttentionConfig)
     rnnsearch_wmt14_en_fr(args)
