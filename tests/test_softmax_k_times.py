@@ -63,6 +63,30 @@ def test_gradient_matches_finite_differences(scaling):
                                     (x,))
 
 
+def test_divide_by_temperature_gradients_and_a_temperature_whose_square_underflows():
+    """divide_by_temperature: gradcheck in both arguments with -inf and masked entries (zero gradient there);
+    and under the paper scaling at epsilon 1e-30 (T ~ 1e-29, T**2 = 0 in float32) the saturated softmaxes'
+    zero gradient stays 0 instead of 0 * inf = NaN (what x / T's own backward, -g x / T**2, gave)."""
+    from softtopk_fairseq.ops import divide_by_temperature
+
+    torch.manual_seed(2)
+    x = torch.randn(3, 7, dtype=torch.float64)
+    x[0, 2] = -torch.inf
+    valid = torch.rand(3, 7) > 0.2
+    T = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
+    xg = x.clone().requires_grad_()
+    keep = valid & (x > -torch.inf)
+    torch.autograd.gradcheck(lambda a, t: divide_by_temperature(a, t, keep).masked_fill(~keep, 0.0), (xg, T))
+    out = divide_by_temperature(xg, T)
+    assert out[0, 2] == -torch.inf and torch.equal(out[1], x[1] / T[1].detach())
+    out.masked_fill(out == -torch.inf, 0).sum().backward()
+    assert float(xg.grad[0, 2]) == 0 and bool(torch.isfinite(T.grad).all())
+    x32 = torch.randn(3, 20).requires_grad_()
+    A = softmax_k_times(x32, 5, epsilon=1e-30, scaling="paper")
+    (A * torch.randn(A.shape)).sum().backward()
+    assert bool(torch.isfinite(x32.grad).all()) and float(x32.grad.abs().max()) == 0
+
+
 def test_masked_and_minus_inf_entries_get_zero_and_short_rows_zero_columns():
     x = torch.tensor([[1.0, -torch.inf, 0.5, 2.0], [0.3, -torch.inf, -torch.inf, -torch.inf],
                       [-torch.inf] * 4], requires_grad=True)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
-from softtopk_fairseq.ops import effective_epsilon, perturbed_topk, soft_topk, softmax_k_times
+from softtopk_fairseq.ops import divide_by_temperature, effective_epsilon, perturbed_topk, soft_topk, softmax_k_times
 
 BOOKKEEPING = ("argmax", "topk")
 PERTURBED_SAMPLES = 16  # default Gaussian draws per step of the "perturbed" relaxation
@@ -81,13 +81,10 @@ class Relaxation:
         raise NotImplementedError
 
     def _divide_by_temperature(self, kept: Tensor) -> Tuple[Tensor, Tensor]:
-        """``kept / T`` per row, differentiable in ``T`` too (as the OT temperature is), and ``T`` detached.
-        Excluded candidates (-inf) stay -inf without entering the division: d(x / T)/dT at x = -inf would put
-        0 * inf = NaN into T's gradient under the paper scaling."""
+        """``kept / T`` per row, differentiable in ``T`` too (as the OT temperature is; -inf candidates stay
+        -inf: :func:`~softtopk_fairseq.ops.divide_by_temperature`), and ``T`` detached."""
         temperature = self.temperature(kept)
-        live = kept > -torch.inf
-        scaled = torch.where(live, torch.where(live, kept, 0.0) / temperature.unsqueeze(-1), -torch.inf)
-        return scaled, temperature.detach()
+        return divide_by_temperature(kept, temperature), temperature.detach()
 
     @staticmethod
     def _log_sum_rest(kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

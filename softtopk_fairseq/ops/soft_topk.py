@@ -274,6 +274,37 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
                             backends.resolve("auto")).reshape(x.shape[:-1])
 
 
+class _DivideByTemperature(torch.autograd.Function):
+    """``where(valid, x / T, -inf)`` per row; see :func:`divide_by_temperature`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, temperature: Tensor, valid: Tensor) -> Tensor:
+        scaled = torch.where(valid, x / temperature.unsqueeze(-1), -torch.inf)
+        ctx.save_for_backward(scaled, temperature, valid)
+        return scaled
+
+    @staticmethod
+    def backward(ctx, grad):
+        scaled, temperature, valid = ctx.saved_tensors
+        grad = torch.where(valid, grad, 0.0)
+        grad_x = grad / temperature.unsqueeze(-1)
+        # d(x / T)/dT = -(x / T) / T, in that order: T * T underflows for a tiny T, and 0 * inf would be NaN.
+        grad_t = -torch.linalg.vecdot(grad, torch.where(valid, scaled, 0.0)) / temperature
+        return grad_x, grad_t, None
+
+
+def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[Tensor] = None) -> Tensor:
+    """``scores / T`` along the last dimension, ``T`` (rows,) per row (e.g. :func:`effective_epsilon`),
+    differentiable in both; entries not ``valid`` (default: the ``-inf`` ones) are ``-inf`` with zero gradient.
+    Safe where the naive division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is
+    ``inf * 0 = NaN``), and ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2``
+    underflows. For relaxations that take the temperature as a division of the scores (softmax-k-times, the
+    perturbed top-k at ``sigma = 1``)."""
+    if valid is None:
+        valid = scores > -torch.inf
+    return _DivideByTemperature.apply(scores, temperature, valid)
+
+
 def _row_mask(mask: Optional[Tensor], shape: torch.Size, dim: int) -> Optional[Tensor]:
     """The caller's mask, broadcast to the scores' ``shape`` and laid out as their (rows, n) view: a copy, which
     the op may keep for its backward while the caller reuses (or edits) its own."""

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq.ops.backends import valid_entries
-from softtopk_fairseq.ops.soft_topk import effective_epsilon
+from softtopk_fairseq.ops.soft_topk import divide_by_temperature, effective_epsilon
 
 
 def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1,
@@ -49,9 +49,7 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0
     valid = valid_entries(x, None if mask is None else mask.expand(scores.shape).movedim(dim, -1))
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     T = effective_epsilon(compute, k, epsilon=epsilon, sorted=True, scaling=scaling, mask=valid)
-    # -inf scores are zeroed before the division: d(x / T)/dT = -x / T^2 would be inf there, and inf * 0 = NaN.
-    finite = torch.where(valid, compute, torch.zeros_like(compute))
-    logits = torch.where(valid, finite / T.unsqueeze(-1), torch.full_like(compute, -torch.inf))
+    logits = divide_by_temperature(compute, T, valid)
     top = torch.topk(logits.detach(), k, dim=-1).indices
     removed = torch.zeros_like(valid)
     cols = []
