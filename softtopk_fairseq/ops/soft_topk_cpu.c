@@ -397,22 +397,34 @@ static void backward_row(const float *out, const float *gout, const float *x, co
 }
 
 /* dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid entries of a row (backward.temperature_grad),
- * in double, the scores taken relative to the row's first valid one (a large common offset cancels). */
+ * from sum_i grad_i d_i, sum_i grad_i, sum_i d_i and their count with d_i = x_i - x_ref: x_ref, a valid score of
+ * the row (reference_score), keeps a large common offset of the scores from cancelling in the sums. */
+static inline float temperature_grad_from_sums(double gx, double gs, double xs, int64_t count, float eps) {
+    double mean_d = count > 0 ? xs / (double)count : 0.0;
+    return (float)(-(gx - mean_d * gs) / eps);
+}
+
+/* The row's first valid score (0 if none): the reference of temperature_grad_from_sums's differences. */
+static float reference_score(const float *x, const uint8_t *mask, int64_t n) {
+    for (int64_t j = 0; j < n; j++)
+        if ((mask == NULL || mask[j]) && x[j] > -INFINITY) return x[j];
+    return 0.0f;
+}
+
+/* dL/deps of a row from its finished gradient, in one plain pass (the sorted backward's). */
 static float temperature_grad_row(const float *grad, const float *x, const uint8_t *mask, int64_t n, float eps) {
     double gx = 0.0, gs = 0.0, xs = 0.0;
     int64_t count = 0;
-    float x_ref = 0.0f;
+    float x_ref = reference_score(x, mask, n);
     for (int64_t j = 0; j < n; j++) {
         if ((mask && !mask[j]) || !(x[j] > -INFINITY)) continue;
-        if (count == 0) x_ref = x[j];
         double d = (double)x[j] - x_ref;
         gx += grad[j] * d;
         gs += grad[j];
         xs += d;
         count++;
     }
-    double mean_d = count > 0 ? xs / (double)count : 0.0;
-    return (float)(-(gx - mean_d * gs) / eps);
+    return temperature_grad_from_sums(gx, gs, xs, count, eps);
 }
 
 typedef struct {
@@ -1187,11 +1199,8 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
         for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;
         return;
     }
-    /* sum_i grad_i (x_i - mean x) = sum_i grad_i d_i - mean d sum_i grad_i with d_i = x_i - x_ref: x_ref, a
-     * valid score of the row, keeps the float lanes from cancelling a large common offset of the scores. */
-    int64_t first = 0;
-    while (first < n - 1 && !((mask == NULL || mask[first]) && x[first] > -INFINITY)) first++;
-    float x_ref = x[first] > -INFINITY ? x[first] : 0.0f;
+    /* dL/deps from sums taken in the gradient's own pass (temperature_grad_from_sums) */
+    float x_ref = reference_score(x, mask, n);
     double gx, gs, xs;
     int64_t count;
     if (mask) {
@@ -1199,8 +1208,7 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     } else {
         centred_grad_sums(grad, g, x, NULL, n, mean_g, inv_eps, x_ref, &gx, &gs, &xs, &count);
     }
-    double mean_d = count > 0 ? xs / (double)count : 0.0;
-    a->grad_eps[r] = (float)(-(gx - mean_d * gs) * inv_eps);
+    a->grad_eps[r] = temperature_grad_from_sums(gx, gs, xs, count, a->eps[r]);
 }
 
 /* mask: the caller's (rows, n) mask or NULL (-inf scores are excluded in any case). x and grad_eps: both NULL
