@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from softtopk_fairseq.ops import soft_topk  # noqa: E402
 
-SYNCS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default")
+# ``Tensor.tolist`` reads a CUDA tensor back through one copy (a synchronisation); on a CPU tensor it issues no
+# operation the dispatch mode would see, so HostOps counts its calls itself.
+SYNCS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default", "Tensor.tolist")
 KERNEL_MODULES = ("triton_kernels.py", "cpu_kernels.py")
 
 
@@ -44,6 +46,21 @@ class HostOps(TorchDispatchMode):
         super().__init__()
         self.ops = Counter()
         self.sources = Counter()
+        self._tolist = None
+
+    def __enter__(self):
+        self._tolist = tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            self.ops["Tensor.tolist"] += 1
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frames = [f for f in traceback.extract_stack() if "softtopk_fairseq" in f.filename]

@@ -175,13 +175,14 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             loss = soft_loss if loss is None else self.rho * tf_loss + (1 - self.rho) * soft_loss
             if nll_loss is None:
                 nll_loss = soft_loss.data  # no teacher-forcing pass: report the beam-search NLL
-            steps = out.solver_iterations.numel()
+            steps = out.solver_iterations.numel()  # >= 1
+            # The three reports in one read from the device (one synchronisation, not three).
+            iters, err_max, pruned = torch.stack([out.solver_iterations.sum(), out.solver_error.max(),
+                                                  out.pruned_mass.sum()]).tolist()
             logging_output.update({
                 "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"],
-                "soft_topk_iters": float(out.solver_iterations.sum()), "soft_topk_steps": steps,
-                "soft_topk_err_max": float(out.solver_error.max()) if steps else 0.0,
-                "pruned_mass": float(out.pruned_mass.sum()),
-                "soft_sentence_steps": out.nll.numel() * steps,
+                "soft_topk_iters": iters, "soft_topk_steps": steps, "soft_topk_err_max": err_max,
+                "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
             })
         logging_output["loss"] = loss.data
         logging_output["nll_loss"] = nll_loss

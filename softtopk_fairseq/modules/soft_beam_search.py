@@ -266,6 +266,70 @@ def _backtrack(final_lp, gold_lp, parents, tokens, lengths: Tensor, pad: int,
     return nll, hyps, ranked_scores
 
 
+class _Step(NamedTuple):
+    """What one relaxed top-k step decided (:func:`_relaxed_step`)."""
+
+    relaxed: Relaxed
+    candidates: _Candidates
+    parent: Tensor            # (bsz, k) the beam each rank continues (hard bookkeeping)
+    token: Tensor             # (bsz, k) the token it appends
+    cum: Tensor               # (bsz, k) its cumulative score
+    pruned_mass: Optional[Tensor]  # (bsz,) the bound on the rank mass lost to pruning; None without pruning
+
+
+def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int,
+                  bookkeeping: str) -> _Step:
+    """The candidates of one step (pruned to ``candidates`` if asked), their relaxed top-k ``A``, the bound on
+    what pruning lost, and the hard bookkeeping that follows ``A``."""
+    c = _candidates(cum, lprobs, banned, candidates)
+    relaxed = relax.relax(c.kept)
+    pruned = None
+    if c.index is not None:
+        with torch.no_grad():
+            rest = c.all_scores.scatter_(1, c.index, -torch.inf)  # the pruned ones (not reused)
+            pruned = relax.pruned_mass(relaxed, c.kept_scores, rest).float()
+    parent, token, cum = _follow(relaxed.A, c, bookkeeping, lprobs.shape[-1])
+    return _Step(relaxed, c, parent, token, cum, pruned)
+
+
+class _Trace:
+    """What the search keeps of every step: the scores for the backtracking and L_SOFT, and the solver's and the
+    pruning's reports for the logs."""
+
+    def __init__(self, bsz: int, device: torch.device):
+        self.gold_lp, self.final_lp, self.parents, self.tokens = [], [], [], []
+        self.iterations, self.errors = [], []
+        self.pruned = torch.zeros(bsz, dtype=torch.float, device=device)
+
+    def scores(self, lprobs: Tensor, cum: Tensor, gold: Tensor, eos: int) -> None:
+        """The gold token's log-probability on every beam, and every beam's score if it ended here."""
+        bsz, k, _ = lprobs.shape
+        self.gold_lp.append(lprobs.gather(2, gold.view(bsz, 1, 1).expand(bsz, k, 1)).squeeze(2))
+        self.final_lp.append((cum + lprobs[:, :, eos]).detach())
+
+    def step(self, step: _Step) -> None:
+        if step.relaxed.iterations is not None:  # a solver's relaxation (the others report nothing: empty lists)
+            self.iterations.append(step.relaxed.iterations)
+            self.errors.append(step.relaxed.error)
+        if step.pruned_mass is not None:
+            self.pruned += step.pruned_mass
+        self.parents.append(step.parent)
+        self.tokens.append(step.token)
+
+    def output(self, lengths: Tensor, pad: int, eos: int) -> SoftBeamOutput:
+        nll, hyps, ranked_scores = _backtrack(self.final_lp, self.gold_lp, self.parents, self.tokens, lengths,
+                                              pad, eos)
+        zero = self.pruned.new_zeros(max(len(self.final_lp) - 1, 1))  # one 0 per step without a solver
+        return SoftBeamOutput(
+            nll=nll,
+            hypotheses=hyps,
+            hypothesis_scores=ranked_scores,
+            solver_iterations=torch.stack(self.iterations).float() if self.iterations else zero,
+            solver_error=torch.stack(self.errors).float() if self.errors else zero,
+            pruned_mass=self.pruned,
+        )
+
+
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
                      beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
@@ -308,12 +372,9 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     incremental_state = {}
     prefix = torch.full((bsz * k, 1), eos, dtype=torch.long, device=device)
     banned = torch.tensor([pad, eos], device=device)
-    cum: Optional[Tensor] = None
-    V: Optional[int] = None
-    gold_lp, final_lp, parents, tokens = [], [], [], []
-    iters, errs = [], []
-    pruned = target.new_zeros(bsz, dtype=torch.float)
     base = (torch.arange(bsz, device=device) * k).unsqueeze(1)
+    trace = _Trace(bsz, device)
+    cum: Optional[Tensor] = None
 
     with SoftTokenInput(embed) as soft_input:
         for t in range(T):
@@ -324,36 +385,17 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             if cum is None:  # step 0: one live beam
                 cum = lprobs.new_full((bsz, k), -torch.inf)
                 cum[:, 0] = 0
-            gold_lp.append(lprobs.gather(2, target[:, t].view(bsz, 1, 1).expand(bsz, k, 1)).squeeze(2))
-            final_lp.append((cum + lprobs[:, :, eos]).detach())
+            trace.scores(lprobs, cum, target[:, t], eos)
             if t == T - 1:
                 break
-            c = _candidates(cum, lprobs, banned, candidates)
-            relaxed = relax.relax(c.kept)
-            A = relaxed.A
-            iters.append(relaxed.iterations if relaxed.iterations is not None else lprobs.new_zeros(()))
-            errs.append(relaxed.error if relaxed.error is not None else lprobs.new_zeros(()))
-            if c.index is not None:
-                with torch.no_grad():
-                    rest = c.all_scores.scatter_(1, c.index, -torch.inf)  # the pruned ones (not reused)
-                    pruned += relax.pruned_mass(relaxed, c.kept_scores, rest).float()
-            parent, token, cum = _follow(A, c, bookkeeping, V)
-            order = (base + parent).view(-1)
-            mixing, soft = _soft_order_and_input(A, c, embed, V)
+            step = _relaxed_step(relax, cum, lprobs, banned, candidates, bookkeeping)
+            trace.step(step)
+            cum = step.cum
+            # The next step's input: the decoder state mixed (eq. (10)) and the soft tokens (eq. (9)).
+            order = (base + step.parent).view(-1)
+            mixing, soft = _soft_order_and_input(step.relaxed.A, step.candidates, embed, V)
             decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, mixing))
-            prefix = torch.cat([prefix[order], token.view(-1, 1)], 1)
+            prefix = torch.cat([prefix[order], step.token.view(-1, 1)], 1)
             soft_input.pending = soft.reshape(bsz * k, 1, -1)
-            parents.append(parent)
-            tokens.append(token)
 
-    nll, hyps, ranked_scores = _backtrack(final_lp, gold_lp, parents, tokens, lengths, pad, eos)
-    steps = max(T - 1, 1)
-    zero = target.new_zeros(steps, dtype=torch.float)
-    return SoftBeamOutput(
-        nll=nll,
-        hypotheses=hyps,
-        hypothesis_scores=ranked_scores,
-        solver_iterations=torch.stack(iters).float() if iters else zero,
-        solver_error=torch.stack(errs).float() if errs else zero,
-        pruned_mass=pruned,
-    )
+    return trace.output(lengths, pad, eos)
