@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import softtopk_fairseq
 from softtopk_fairseq.pipeline import text, toy_corpus, trained, workdir
@@ -334,7 +334,104 @@ def _train(cmd_args: List[str], log_path: str, env: dict, save_dir: str) -> floa
     return time.time() - start
 
 
+class _Run(NamedTuple):
+    """One trained model the last stage scores."""
+
+    key: str        # its checkpoint directory under WORKDIR/checkpoints
+    name: str       # its row of the results table
+    updates: int
+    arch: str
+
+
+def _skipped(stages: workdir.Stages, name: str) -> bool:
+    """Whether stage ``name`` completed in an earlier start of this run (then said so)."""
+    if stages.done(name):
+        print(f"  already complete ({name}): skipped")
+        return True
+    return False
+
+
+def _data_stages(cfg: Config, stages: workdir.Stages, dirs: Dict[str, str], env: dict, total: int) -> Dict[str, str]:
+    """Stages 1-3: the raw text, BPE, fairseq-preprocess; returns the raw splits' prefixes."""
+    with Stage(1, total, "raw text"):
+        if not _skipped(stages, "raw"):
+            workdir.Stages.clear(dirs["raw"])
+            prepare_raw(cfg, dirs["raw"])
+            stages.mark("raw")
+        raw = {split: os.path.join(dirs["raw"], split) for split in ("train", "valid", "test")}
+        for split, prefix in raw.items():
+            print(f"  {split}: {len(text.read_lines(prefix + '.' + cfg.src))} sentence pairs")
+    with Stage(2, total, f"BPE ({cfg.bpe})"):
+        if not _skipped(stages, "bpe"):
+            workdir.Stages.clear(dirs["bpe"])
+            apply_bpe(cfg, raw, dirs["bpe"])
+            stages.mark("bpe")
+    with Stage(3, total, "fairseq-preprocess"):
+        if not _skipped(stages, "bin"):
+            workdir.Stages.clear(dirs["bin"])  # fairseq-preprocess refuses to overwrite a dictionary
+            binarize(dirs["bpe"], dirs["bin"], cfg.src, cfg.tgt, os.path.join(dirs["logs"], "preprocess.log"),
+                     env=env)
+            stages.mark("bin")
+    return raw
+
+
+def _training_stages(cfg: Config, stages: workdir.Stages, dirs: Dict[str, str], env: dict,
+                     total: int) -> Tuple[List[_Run], Dict[str, float]]:
+    """Stage 4, teacher forcing, and stage 5, the fine-tuning runs from its checkpoint (when asked); returns the
+    trained models and each one's training time (seconds, this start's or the one that trained it)."""
+    runs = [_Run("tf", "teacher forcing", cfg.max_update, cfg.arch)]
+    seconds = {}
+    with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)"):
+        if not _skipped(stages, "train.tf"):
+            save = os.path.join(dirs["checkpoints"], "tf")
+            took = _train(train_args(cfg, dirs["bin"], save), os.path.join(dirs["logs"], "train.tf.log"), env, save)
+            stages.mark("train.tf", {"seconds": took})
+        seconds["tf"] = stages.data("train.tf")["seconds"]
+    if cfg.finetune_updates <= 0:
+        return runs, seconds
+    restore = os.path.join(dirs["checkpoints"], "tf", "checkpoint_last.pt")
+    n = cfg.finetune_updates
+    with Stage(5, total, f"fine-tuning from the same checkpoint, {n} updates each: teacher forcing, soft beam "
+                         "search, top-k attention"):
+        for key, (name, run_args) in finetune_runs(cfg).items():
+            if not _skipped(stages, f"train.ft_{key}"):
+                save = os.path.join(dirs["checkpoints"], f"ft_{key}")
+                own = os.path.isfile(os.path.join(save, "checkpoint_last.pt"))
+                took = _train(finetune_args(cfg, dirs["bin"], None if own else restore, save, run_args),
+                              os.path.join(dirs["logs"], f"train.ft_{key}.log"), env, save)
+                stages.mark(f"train.ft_{key}", {"seconds": took})
+            seconds[f"ft_{key}"] = stages.data(f"train.ft_{key}")["seconds"]
+            arch = run_args[run_args.index("--arch") + 1] if "--arch" in run_args else cfg.arch
+            runs.append(_Run(f"ft_{key}", name, cfg.max_update + n, arch))
+    return runs, seconds
+
+
+def _scoring_stage(cfg: Config, stages: workdir.Stages, dirs: Dict[str, str], raw_test: str, runs: List[_Run],
+                   seconds: Dict[str, float], total: int) -> List[dict]:
+    """The last stage: fairseq-generate at every beam and sacrebleu, for every trained model; its table rows."""
+    rows = []
+    with Stage(total, total, "fairseq-generate + sacrebleu"):
+        for run in runs:
+            bleu = {}
+            for beam in cfg.beams:
+                name = f"generate.{run.key}.beam{beam}"
+                if not _skipped(stages, name):
+                    out_dir = os.path.join(dirs["logs"], run.key)
+                    os.makedirs(out_dir, exist_ok=True)
+                    score = generate_and_score(cfg, dirs["bin"],
+                                               os.path.join(dirs["checkpoints"], run.key, "checkpoint_last.pt"),
+                                               raw_test, beam, out_dir)
+                    stages.mark(name, {"bleu": score})
+                bleu[beam] = stages.data(name)["bleu"]
+                print(f"  {run.name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
+            rows.append({"run": run.name, "arch": run.arch, "updates": run.updates, "train_s": seconds[run.key],
+                         "bleu": bleu})
+    return rows
+
+
 def run_pipeline(cfg: Config) -> List[dict]:
+    """The whole pipeline in the workdir, every input checked first; a stage completed by an earlier start of the
+    same run is skipped, an interrupted training continues from its checkpoint."""
     start = time.time()
     inputs = _inputs(cfg)  # every input checked before the workdir is touched
     resumed = workdir.claim(cfg.workdir, workdir.fingerprint(cfg, inputs))
@@ -348,71 +445,9 @@ def run_pipeline(cfg: Config) -> List[dict]:
     print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}"
           + ("; resuming: completed stages are skipped" if resumed else ""))
 
-    def skipped(name):
-        if stages.done(name):
-            print(f"  already complete ({name}): skipped")
-            return True
-        return False
-
-    with Stage(1, total, "raw text"):
-        if not skipped("raw"):
-            workdir.Stages.clear(dirs["raw"])
-            prepare_raw(cfg, dirs["raw"])
-            stages.mark("raw")
-        raw = {split: os.path.join(dirs["raw"], split) for split in ("train", "valid", "test")}
-        for split, prefix in raw.items():
-            print(f"  {split}: {len(text.read_lines(prefix + '.' + cfg.src))} sentence pairs")
-    with Stage(2, total, f"BPE ({cfg.bpe})"):
-        if not skipped("bpe"):
-            workdir.Stages.clear(dirs["bpe"])
-            apply_bpe(cfg, raw, dirs["bpe"])
-            stages.mark("bpe")
-    with Stage(3, total, "fairseq-preprocess"):
-        if not skipped("bin"):
-            workdir.Stages.clear(dirs["bin"])  # fairseq-preprocess refuses to overwrite a dictionary
-            binarize(dirs["bpe"], dirs["bin"], cfg.src, cfg.tgt, os.path.join(dirs["logs"], "preprocess.log"),
-                     env=env)
-            stages.mark("bin")
-    runs = [("tf", "teacher forcing", cfg.max_update, cfg.arch)]
-    seconds = {}
-    with Stage(4, total, f"fairseq-train (teacher forcing, {cfg.arch}, {cfg.max_update} updates)"):
-        if not skipped("train.tf"):
-            save = os.path.join(dirs["checkpoints"], "tf")
-            took = _train(train_args(cfg, dirs["bin"], save), os.path.join(dirs["logs"], "train.tf.log"), env, save)
-            stages.mark("train.tf", {"seconds": took})
-        seconds["tf"] = stages.data("train.tf")["seconds"]
-    if cfg.finetune_updates > 0:
-        restore = os.path.join(dirs["checkpoints"], "tf", "checkpoint_last.pt")
-        n = cfg.finetune_updates
-        with Stage(5, total, f"fine-tuning from the same checkpoint, {n} updates each: teacher forcing, soft beam "
-                             "search, top-k attention"):
-            for key, (name, run_args) in finetune_runs(cfg).items():
-                if not skipped(f"train.ft_{key}"):
-                    save = os.path.join(dirs["checkpoints"], f"ft_{key}")
-                    own = os.path.isfile(os.path.join(save, "checkpoint_last.pt"))
-                    took = _train(finetune_args(cfg, dirs["bin"], None if own else restore, save, run_args),
-                                  os.path.join(dirs["logs"], f"train.ft_{key}.log"), env, save)
-                    stages.mark(f"train.ft_{key}", {"seconds": took})
-                seconds[f"ft_{key}"] = stages.data(f"train.ft_{key}")["seconds"]
-                arch = run_args[run_args.index("--arch") + 1] if "--arch" in run_args else cfg.arch
-                runs.append((f"ft_{key}", name, cfg.max_update + n, arch))
-    rows = []
-    with Stage(total, total, "fairseq-generate + sacrebleu"):
-        for key, run_name, updates, arch in runs:
-            bleu = {}
-            for beam in cfg.beams:
-                name = f"generate.{key}.beam{beam}"
-                if not skipped(name):
-                    out_dir = os.path.join(dirs["logs"], key)
-                    os.makedirs(out_dir, exist_ok=True)
-                    score = generate_and_score(cfg, dirs["bin"],
-                                               os.path.join(dirs["checkpoints"], key, "checkpoint_last.pt"),
-                                               raw["test"], beam, out_dir)
-                    stages.mark(name, {"bleu": score})
-                bleu[beam] = stages.data(name)["bleu"]
-                print(f"  {run_name}: BLEU (beam {beam}) = {bleu[beam]:.2f}")
-            rows.append({"run": run_name, "arch": arch, "updates": updates, "train_s": seconds[key],
-                         "bleu": bleu})
+    raw = _data_stages(cfg, stages, dirs, env, total)
+    runs, seconds = _training_stages(cfg, stages, dirs, env, total)
+    rows = _scoring_stage(cfg, stages, dirs, raw["test"], runs, seconds, total)
 
     table = results_table(rows, cfg.beams)
     elapsed = time.time() - start
