@@ -31,7 +31,7 @@ Plans are stored anchors-first, ``P[r, l, i]`` of shape (rows, m, n): the softma
 runs across contiguous slices (15x faster on CPU than over a last dimension of size k+1).
 """
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -248,6 +248,72 @@ def unsorted_start(top: Tensor, n_valid: Tensor, k: int) -> Tuple[Tensor, Tensor
     return tau0, shift
 
 
+class _Problem(NamedTuple):
+    """The rows of a sorted problem the solver works on: normalised scores ``u`` (rows, n), their mask (None:
+    all valid), the anchor masses ``c`` (rows, m) and which anchors are free."""
+
+    u: Tensor
+    mask: Optional[Tensor]
+    c: Tensor
+    free: Tensor
+
+    def rows(self, index: Tensor) -> "_Problem":
+        return _Problem(self.u[index], None if self.mask is None else self.mask[index], self.c[index],
+                        self.free[index])
+
+    def evaluate(self, t: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The plan at thresholds ``t``, its anchor masses and its marginal error."""
+        p = _plan(self.u, self.mask, t)
+        s = p.sum(dim=-1)
+        return p, s, _marginal_error(s, self.c)
+
+
+def _start(problem: _Problem, valid: Tensor, top: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Thresholds to start from, with their (plan, masses, error). Two starting points: the hard assignment (best
+    when eps is small against the score gaps) and the same with h shifted by log c (best when eps is large:
+    then P_il ~ c_l); each row keeps the better one (the second is tried only where the first is poor)."""
+    t = initial_thresholds(problem.u, valid, problem.c, top)
+    p, s, err = problem.evaluate(t)
+    retry = err > SECOND_START_ERROR
+    if bool(retry.any()):
+        idx = retry.nonzero().squeeze(-1)
+        t2 = t[idx] + log_mass_shift(problem.c[idx])
+        p2, s2, err2 = problem.rows(idx).evaluate(t2)
+        better = err2 < err[idx]
+        if bool(better.all()) and len(idx) == len(t):
+            t, p, s, err = t2, p2, s2, err2
+        elif bool(better.any()):
+            sel, b = idx[better], better.nonzero().squeeze(-1)
+            t[sel], p[sel], s[sel], err[sel] = t2[b], p2[b], s2[b], err2[b]
+    return t, p, s, err
+
+
+def _damped_step(problem: _Problem, t: Tensor, p: Tensor, s: Tensor, err: Tensor, tol: float,
+                 max_halvings: int) -> Tuple[Tuple[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """One damped Newton step of every row: the new (thresholds, plan, masses, error), and which rows accepted
+    a step. A step is accepted when it lowers the marginal error (or meets ``tol``), else halved."""
+    step = hessian_solve(p, s, problem.free, problem.c - s)
+    # Trust region: no potential moves by more than MAX_STEP (anchor masses change by at most
+    # e^MAX_STEP) -- far from the optimum the full Newton step overshoots; near it, it is small.
+    alpha = (MAX_STEP / step.abs().amax(-1, keepdim=True).clamp_min(MAX_STEP)).to(t.dtype)
+    accepted = torch.zeros(len(t), dtype=torch.bool, device=t.device)
+    # A Newton step dh on the potentials moves threshold t_l by dh_{l+1} - dh_l.
+    step_t = step[:, 1:] - step[:, :-1]
+    new = (t, p, s, err)
+    for tries in range(max_halvings):
+        trial_t = t + alpha * step_t
+        trial = (trial_t, *problem.evaluate(trial_t))
+        ok = ~accepted & ((trial[3] < err) | (trial[3] <= tol))
+        new = tuple(_pick(ok, a, b) for a, b in zip(trial, new))
+        accepted = accepted | ok
+        # Near convergence, two failed halvings mean the row sits at its float rounding floor.
+        settled = accepted | ((err < NEAR_FLOOR) & (tries >= 1))
+        if bool(settled.all()):
+            break
+        alpha = torch.where(accepted.unsqueeze(-1), alpha, alpha * 0.5)
+    return new, accepted
+
+
 def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: int,
                      max_halvings: int = 8, top: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Damped Newton on the semi-dual. Returns ``(P, info)``: P (rows, m, n), info (rows, 2) =
@@ -259,35 +325,13 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
     (their rounding floor).
     """
     rows = u.shape[0]
-    free = free_anchors(c)
-    mask = None if bool(valid.all()) else valid
-
-    def evaluate(t, u=u, mask=mask, c=c):
-        p = _plan(u, mask, t)
-        s = p.sum(dim=-1)
-        return p, s, _marginal_error(s, c)
-
-    # Two starting points: the hard assignment (best when eps is small against the score gaps) and the
-    # same with h shifted by log c (best when eps is large: then P_il ~ c_l). Each row keeps the better.
-    t = initial_thresholds(u, valid, c, top)
-    p, s, err = evaluate(t)
-    retry = err > SECOND_START_ERROR  # the hard start is poor there: try the other one on those rows only
-    if bool(retry.any()):
-        idx = retry.nonzero().squeeze(-1)
-        t2 = t[idx] + log_mass_shift(c[idx])
-        p2, s2, err2 = evaluate(t2, u[idx], None if mask is None else mask[idx], c[idx])
-        better = err2 < err[idx]
-        if bool(better.all()) and len(idx) == rows:
-            t, p, s, err = t2, p2, s2, err2
-        elif bool(better.any()):
-            sel, b = idx[better], better.nonzero().squeeze(-1)
-            t[sel], p[sel], s[sel], err[sel] = t2[b], p2[b], s2[b], err2[b]
-
+    problem = _Problem(u, None if bool(valid.all()) else valid, c, free_anchors(c))
+    t, p, s, err = _start(problem, valid, top)
     iters = torch.zeros(rows, dtype=u.dtype, device=u.device)
     # Work only on the rows still iterating ("active", indices ``act``); a row leaving the set stores
     # its final plan into ``p`` first.
     act = torch.arange(rows, device=u.device)
-    a_u, a_mask, a_c, a_free = u, mask, c, free
+    active = problem
     a_t, a_p, a_s, a_err = t, p, s, err
     a_todo = a_err > tol
     for _ in range(max_iter):
@@ -298,30 +342,9 @@ def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: 
             p[leaving] = a_p[~a_todo]
             keep = a_todo.nonzero().squeeze(-1)
             act = act[keep]
-            a_u, a_c, a_free = a_u[keep], a_c[keep], a_free[keep]
-            a_mask = None if a_mask is None else a_mask[keep]
+            active = active.rows(keep)
             a_t, a_p, a_s, a_err = a_t[keep], a_p[keep], a_s[keep], a_err[keep]
-        step = hessian_solve(a_p, a_s, a_free, a_c - a_s)
-        # Trust region: no potential moves by more than MAX_STEP (anchor masses change by at most
-        # e^MAX_STEP) -- far from the optimum the full Newton step overshoots; near it, it is small.
-        alpha = (MAX_STEP / step.abs().amax(-1, keepdim=True).clamp_min(MAX_STEP)).to(u.dtype)
-        accepted = torch.zeros(len(act), dtype=torch.bool, device=u.device)
-        # A Newton step dh on the potentials moves threshold t_l by dh_{l+1} - dh_l.
-        step_t = step[:, 1:] - step[:, :-1]
-        new = (a_t, a_p, a_s, a_err)
-        settled = accepted
-        for tries in range(max_halvings):
-            trial_t = a_t + alpha * step_t
-            trial = (trial_t, *evaluate(trial_t, a_u, a_mask, a_c))
-            ok = ~accepted & ((trial[3] < a_err) | (trial[3] <= tol))
-            new = tuple(_pick(ok, t, o) for t, o in zip(trial, new))
-            accepted = accepted | ok
-            # Near convergence, two failed halvings mean the row sits at its float rounding floor.
-            settled = accepted | ((a_err < NEAR_FLOOR) & (tries >= 1))
-            if bool(settled.all()):
-                break
-            alpha = torch.where(accepted.unsqueeze(-1), alpha, alpha * 0.5)
-        a_t, a_p, a_s, a_err = new
+        (a_t, a_p, a_s, a_err), accepted = _damped_step(active, a_t, a_p, a_s, a_err, tol, max_halvings)
         iters[act] += 1
         if len(act) == rows:
             t, s, err = a_t, a_s, a_err
