@@ -30,6 +30,7 @@
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
 #define FLT_EPS 1.1920928955078125e-07
 #define FLT_MAX_F 3.4028234663852886e+38f
+#define FLT_TINY 1.1754943508222875e-38  /* the smallest normal float: a floor for divisors */
 
 /* e^x for x <= 0: Cephes' expf polynomial (about 1 ulp), written so that gcc vectorises the loops that
  * call it; 0 below -87, where float32 underflows anyway. */
@@ -639,7 +640,7 @@ static inline float root_step(float tau, double f, double slope, int log_step, i
     float h = (f < 0) & (tau < *hi) ? tau : *hi;
     *lo = l;
     *hi = h;
-    double d = slope > 1.1754943508222875e-38 ? slope : 1.1754943508222875e-38;
+    double d = slope > FLT_TINY ? slope : FLT_TINY;
     double mass = f + k;
     double log_newton = (log_pos(mass) - log_k) * mass / d, newton = f / d;
     float step = (float)(tau + (log_step ? log_newton : newton));
@@ -1193,7 +1194,7 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     float *grad = a->grad + r * n;
     double num, den;
     sigmoid_grad_sums(out, g, n, grad, &num, &den);
-    float mean_g = (float)(num / (den > 1.1754943508222875e-38 ? den : 1.1754943508222875e-38));
+    float mean_g = (float)(num / (den > FLT_TINY ? den : FLT_TINY));
     float inv_eps = 1.0f / a->eps[r];
     if (x == NULL) {
         for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;

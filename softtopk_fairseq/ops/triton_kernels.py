@@ -37,6 +37,7 @@ from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_
 
 # float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
 FLT_EPS = tl.constexpr(1.1920928955078125e-07)
+FLT_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float: a floor for divisors
 
 
 @triton.jit
@@ -471,7 +472,7 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
     while going & (it < max_iter):
         lo = tl.where(f > 0, tl.maximum(lo, tau), lo)  # f decreases in tau: the root is above
         hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
-        d = tl.maximum(slope, 1.1754943508222875e-38)
+        d = tl.maximum(slope, FLT_TINY)
         mass_now = f + k
         step = tl.where(log_step, tau + (tl.log(mass_now) - log_k) * mass_now / d, tau + f / d)
         inside = (step > lo) & (step < hi) & (step == step) & (tl.abs(step) < float("inf"))
@@ -524,7 +525,7 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr
         den += tl.sum(w, axis=0)
         n_valid += tl.sum(keep.to(tl.int32), axis=0)
         x_sum += tl.sum(x, axis=0)
-    mean_g = num / tl.maximum(den, 1.1754943508222875e-38)
+    mean_g = num / tl.maximum(den, FLT_TINY)
     eps = tl.load(eps_ptr + row)
     x_mean = x_sum / tl.maximum(n_valid, 1).to(tl.float32)
     moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
