@@ -86,15 +86,6 @@ class Relaxation:
         temperature = self.temperature(kept)
         return divide_by_temperature(kept, temperature), temperature.detach()
 
-    @staticmethod
-    def _log_sum_rest(kept: Tensor, rest: Tensor, temperature: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """``log sum_p exp((x_p - x_w) / T)`` over the pruned ``rest`` (in place), with ``x_w`` the weakest finite
-        kept score (if some kept ones are -inf, nothing finite was pruned: the sum is 0); returns it, x_w and
-        the weakest candidate's index (rows, 1)."""
-        weakest = torch.where(kept > -torch.inf, kept, torch.inf).argmin(-1, keepdim=True)
-        x_w = kept.gather(-1, weakest)
-        return torch.log(rest.sub_(x_w).div_(temperature.unsqueeze(-1)).exp_().sum(-1)), x_w, weakest
-
 
 class OptimalTransport(Relaxation):
     """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`)."""
@@ -111,11 +102,14 @@ class OptimalTransport(Relaxation):
         over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
         the weakest kept candidate's rest mass (capped at ``k``, the total rank mass)."""
         A = relaxed.A
-        log_rest, _, weakest = self._log_sum_rest(kept, rest, relaxed.temperature)
+        # The kept scores are sorted, best first: the weakest kept candidate w is the last. If it is -inf, fewer
+        # than M candidates were live and no finite one was pruned: a = 0 there, and so is the bound (x_w is
+        # clamped to a finite reference only so that -inf - x_w is not NaN).
+        x_w = kept[:, -1:].clamp_min(torch.finfo(kept.dtype).min)
+        rest_sum = rest.sub_(x_w).div_(relaxed.temperature.unsqueeze(-1)).exp_().sum(-1)  # terms <= 1: no overflow
+        rank_mass = A[:, -1, :].sum(-1)  # 1 - a
         tiny = torch.finfo(A.dtype).tiny
-        rank_mass = A.gather(1, weakest.unsqueeze(-1).expand(-1, 1, A.shape[-1])).squeeze(1).sum(-1)
-        log_bound = torch.log(rank_mass.clamp_min(tiny)) - torch.log((1 - rank_mass).clamp_min(tiny)) + log_rest
-        return torch.exp(log_bound.clamp(max=math.log(self.k)))  # the pruned mass is at most k anyway
+        return (rank_mass * rest_sum / (1 - rank_mass).clamp_min(tiny)).clamp(max=self.k)  # at most k anyway
 
 
 class SoftmaxKTimes(Relaxation):
@@ -130,7 +124,10 @@ class SoftmaxKTimes(Relaxation):
         """Exact: the mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of
         ``exp(x / T)``)."""
         temperature = relaxed.temperature
-        log_rest, x_w, _ = self._log_sum_rest(kept, rest, temperature)
+        # Relative to x_w, the weakest finite kept score (if some kept ones are -inf, nothing finite was pruned:
+        # the sum is 0).
+        x_w = torch.where(kept > -torch.inf, kept, torch.inf).amin(-1, keepdim=True)
+        log_rest = torch.log(rest.sub_(x_w).div_(temperature.unsqueeze(-1)).exp_().sum(-1))
         tiny = torch.finfo(temperature.dtype).tiny
         logits = (kept - x_w) / temperature.unsqueeze(-1)
         top = torch.sort(logits, -1, descending=True).values[..., : self.k]
