@@ -3,7 +3,7 @@ or of one soft beam-search update (``--soft-beam``: the criterion's loss and its
 each operation is issued).
 
     .venv/bin/python benchmarks/count_host_ops.py [--rows 6] [--n 40] [--k 3]
-    .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20]
+    .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20] [--rho 0.8]
     .venv/bin/python benchmarks/count_host_ops.py --topk-attention [--backend triton]
 
 On a GPU every tensor operation outside the fused kernels is at least one kernel launch, and every
@@ -100,23 +100,29 @@ def count_update(backend, update):
     return mode, sum(mode.ops[name] for name in SYNCS)
 
 
-def count_soft_beam(backend, top):
-    """One soft beam-search update of the demo LSTM (rho 0.8, beam 5, eps 0.1 paper scaling, M 50) on a small
-    batch (8 sentences, target length 8: 7 soft_topk calls): the criterion's loss and its backward."""
+def count_soft_beam(backend, top, rho):
+    """One soft beam-search update of the demo LSTM (beam 5, eps 0.1 paper scaling, M 50; ``rho``, 0.8 by
+    default) on a small batch (8 sentences, target length 8: 7 soft_topk calls): the criterion's loss and its
+    backward -- and, for scale, one teacher-forcing update (label_smoothed_cross_entropy) of the same batch."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_soft_beam import build_model_and_sample
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
     from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     cfg = dict(arch="lstm", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
     model, task, sample, _ = build_model_and_sample(cfg)
     criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
-        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8, soft_beam_size=5, soft_beam_candidates=50,
+        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, soft_beam_size=5, soft_beam_candidates=50,
         soft_topk_scaling="paper"))
     mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
-    print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, beam 5, M 50, paper scaling), "
-          f"backend {backend}: {sum(mode.sources.values())} tensor operations (views left out), {syncs} "
-          "synchronisations\n\n| issued in | operations |\n|---|---|")
+    teacher_forcing = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    tf_mode, tf_syncs = count_update(backend, lambda: teacher_forcing(model, sample)[0].backward())
+    ops, tf_ops = sum(mode.sources.values()), sum(tf_mode.sources.values())
+    print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, rho {rho:g}, beam 5, M 50, paper "
+          f"scaling), backend {backend}: {ops} tensor operations (views left out), {syncs} synchronisations; "
+          f"teacher forcing on the same batch: {tf_ops} operations, {tf_syncs} synchronisations "
+          f"({ops / tf_ops:.2f}x the operations)\n\n| issued in | operations |\n|---|---|")
     for where, n in mode.sources.most_common(top):
         print(f"| {where} | {n} |")
 
@@ -152,9 +158,10 @@ def main():
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "cpu"],
                         help="--soft-beam, --topk-attention: the soft_topk backend")
     parser.add_argument("--top", type=int, default=20, help="--soft-beam: rows of the table")
+    parser.add_argument("--rho", type=float, default=0.8, help="--soft-beam: the teacher-forcing ratio")
     args = parser.parse_args()
     if args.soft_beam:
-        count_soft_beam(args.backend, args.top)
+        count_soft_beam(args.backend, args.top, args.rho)
         return
     if args.topk_attention:
         count_topk_attention(args.backend)

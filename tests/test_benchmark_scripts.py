@@ -317,6 +317,8 @@ def test_count_host_ops_breaks_a_soft_beam_update_down_by_source():
                           "cpu", "--top", "40"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     total = int(re.search(r"backend cpu: (\d+) tensor operations", out.stdout).group(1))
+    tf_ops = int(re.search(r"teacher forcing on the same batch: (\d+) operations", out.stdout).group(1))
+    assert 0 < tf_ops < total  # the search costs more than teacher forcing on its own
     rows = {r[1].strip(): int(r[2]) for r in (line.split("|") for line in out.stdout.splitlines())
             if len(r) == 4 and r[2].strip().isdigit()}
     # the decoder steps, the relaxed top-k and PyTorch's own backward all show up, and they add up
