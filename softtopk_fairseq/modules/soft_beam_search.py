@@ -189,10 +189,31 @@ class _Candidates(NamedTuple):
     all_scores: Optional[Tensor]   # (bsz, k*V) every candidate's score, without autograd (pruned case)
 
 
+class _KeptScores(torch.autograd.Function):
+    """The kept candidates' scores ``cum[b, c // V] + log p[b, c]`` with their gradient routed to ``cum`` and
+    ``log p``. Their values are the top-M ``top`` found without autograd (-inf for the banned tokens and the dead
+    beams' extensions, whose gradient the relaxed top-k makes 0); the backward scatters into the M kept entries
+    only -- one operation forward instead of two gathers, an add and a mask, and nothing k*V-sized saved."""
+
+    @staticmethod
+    def forward(ctx, cum: Tensor, lprobs: Tensor, index: Tensor, top: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.k, ctx.V = lprobs.shape[1], lprobs.shape[2]
+        return top.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, = ctx.saved_tensors
+        bsz, k, V = grad.shape[0], ctx.k, ctx.V
+        grad_lprobs = grad.new_zeros(bsz, k * V).scatter_(1, index, grad).view(bsz, k, V)  # distinct indices
+        grad_cum = grad.new_zeros(bsz, k).scatter_add_(1, index // V, grad) if ctx.needs_input_grad[0] else None
+        return grad_cum, grad_lprobs, None, None
+
+
 def _candidates(cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int) -> _Candidates:
-    """The step's candidate scores ``cum + log p`` of the ``k*V`` extensions (``eos``/``pad`` excluded), or
-    with ``0 < candidates < k*V`` the hard top-M of them (selected without autograd, then gathered
-    differentiably: the backward touches M entries per sentence instead of k*V)."""
+    """The step's candidate scores ``cum + log p`` of the ``k*V`` extensions (``eos``/``pad`` and the dead beams'
+    extensions -inf), or with ``0 < candidates < k*V`` the hard top-M of them (selected without autograd: the
+    relaxed top-k and its backward see M candidates per sentence instead of k*V)."""
     bsz, k, V = lprobs.shape
     if candidates <= 0 or candidates >= k * V:
         cand = cum.unsqueeze(-1) + lprobs
@@ -203,9 +224,7 @@ def _candidates(cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int) ->
         cand[:, :, banned] = -torch.inf
         cand = cand.view(bsz, k * V)
         top, index = torch.topk(cand, candidates, dim=1)
-    kept = cum.gather(1, index // V) + lprobs.view(bsz, k * V).gather(1, index)
-    kept = kept.masked_fill(top == -torch.inf, -torch.inf)  # banned tokens and dead beams stay out
-    return _Candidates(kept, index, top, cand)
+    return _Candidates(_KeptScores.apply(cum, lprobs, index, top), index, top, cand)
 
 
 def _follow(A: Tensor, c: _Candidates, bookkeeping: str, V: int) -> Tuple[Tensor, Tensor, Tensor]:
