@@ -259,26 +259,27 @@ def _backtrack(final_lp, gold_lp, parents, tokens, lengths: Tensor, pad: int,
     their scores (bsz, k))."""
     final = torch.stack(final_lp, 1)                    # (bsz, T, k)
     bsz, T, k = final.shape
-    device = final.device
     last = lengths - 1                                  # index of eos in the target
     final_at_end = final.gather(1, last.view(bsz, 1, 1).expand(bsz, 1, k)).squeeze(1)
     ranked_scores, ranked = final_at_end.sort(-1, descending=True)
-    path = torch.zeros(bsz, k, T, dtype=torch.long, device=device)
-    hyps = torch.full((bsz, k, T), pad, dtype=torch.long, device=device)
+    steps = torch.arange(T, device=final.device).unsqueeze(1)
+    at_end, active = steps == last, steps <= last       # (T, bsz): each sentence's eos step, its live steps
+    # Backwards from the last step: a sentence's beams start at its eos step, ranked, then follow their parents.
+    # Kept: every beam's token at each step, and where the best beam was (all the loss needs).
     cur = ranked
+    best_beam, hyp_tokens = [None] * T, [None] * T
     for t in range(T - 1, -1, -1):
-        at_end = (t == last).view(bsz, 1)
-        active = (t <= last).view(bsz, 1)
-        cur = torch.where(at_end, ranked, cur)
-        path[:, :, t] = cur
+        cur = torch.where(at_end[t].unsqueeze(1), ranked, cur)
+        best_beam[t] = cur[:, 0]
         if t > 0:
-            hyps[:, :, t - 1] = torch.where(active, tokens[t - 1].gather(1, cur), pad)
-            cur = torch.where(active, parents[t - 1].gather(1, cur), cur)
-    hyps = torch.where((torch.arange(T, device=device) == last.view(bsz, 1)).unsqueeze(1), eos, hyps)
+            live = active[t].unsqueeze(1)
+            hyp_tokens[t - 1] = torch.where(live, tokens[t - 1].gather(1, cur), pad)
+            cur = torch.where(live, parents[t - 1].gather(1, cur), cur)
+    hyp_tokens[T - 1] = ranked.new_full((bsz, k), pad)
+    hyps = torch.where(at_end.t().unsqueeze(1), eos, torch.stack(hyp_tokens, 2))
     gold = torch.stack(gold_lp, 1)                      # (bsz, T, k)
-    along_best = gold.gather(2, path[:, 0, :].unsqueeze(2)).squeeze(2)
-    positions = torch.arange(T, device=device).view(1, T) <= last.view(bsz, 1)
-    nll = -torch.where(positions, along_best, torch.zeros_like(along_best)).sum(1)
+    along_best = gold.gather(2, torch.stack(best_beam, 1).unsqueeze(2)).squeeze(2)
+    nll = -torch.where(active.t(), along_best, 0.0).sum(1)
     return nll, hyps, ranked_scores
 
 
