@@ -51,8 +51,8 @@ class Relaxed(NamedTuple):
 
     A: Tensor                    # (rows, M, k) the relaxed sorted top-k
     temperature: Tensor          # (rows,) the smoothing scale each row used (:meth:`Relaxation.temperature`; detached)
-    iterations: Optional[Tensor]  # () the solver's mean iterations (None without a solver)
-    error: Optional[Tensor]       # () its max marginal error (None without a solver)
+    iterations: Optional[Tensor]  # (rows,) the solver's iterations (None without a solver)
+    error: Optional[Tensor]       # (rows,) its marginal error (None without a solver)
 
 
 class Relaxation:
@@ -93,7 +93,7 @@ class OptimalTransport(Relaxation):
     def relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
                             max_iter=self.max_iter, return_info=True)
-        return Relaxed(A, info.temperature, info.iterations.detach().float().mean(), info.error.detach().max())
+        return Relaxed(A, info.temperature, info.iterations.detach(), info.error.detach())
 
     def pruned_mass(self, relaxed, kept, rest):
         r"""At the kept problem's dual potentials a candidate of score ``x`` gets
@@ -315,8 +315,8 @@ class _Trace:
 
     def __init__(self, bsz: int, device: torch.device):
         self.gold_lp, self.final_lp, self.parents, self.tokens = [], [], [], []
-        self.iterations, self.errors = [], []
-        self.pruned = torch.zeros(bsz, dtype=torch.float, device=device)
+        self.iterations, self.errors, self.pruned = [], [], []  # per step; reduced once, in output()
+        self.bsz, self.device = bsz, device
 
     def scores(self, lprobs: Tensor, cum: Tensor, gold: Tensor, eos: int) -> None:
         """The gold token's log-probability on every beam, and every beam's score if it ended here."""
@@ -329,21 +329,22 @@ class _Trace:
             self.iterations.append(step.relaxed.iterations)
             self.errors.append(step.relaxed.error)
         if step.pruned_mass is not None:
-            self.pruned += step.pruned_mass
+            self.pruned.append(step.pruned_mass)
         self.parents.append(step.parent)
         self.tokens.append(step.token)
 
     def output(self, lengths: Tensor, pad: int, eos: int) -> SoftBeamOutput:
         nll, hyps, ranked_scores = _backtrack(self.final_lp, self.gold_lp, self.parents, self.tokens, lengths,
                                               pad, eos)
-        zero = self.pruned.new_zeros(max(len(self.final_lp) - 1, 1))  # one 0 per step without a solver
+        zero = torch.zeros(max(len(self.final_lp) - 1, 1), device=self.device)  # one 0 per step without a solver
         return SoftBeamOutput(
             nll=nll,
             hypotheses=hyps,
             hypothesis_scores=ranked_scores,
-            solver_iterations=torch.stack(self.iterations).float() if self.iterations else zero,
-            solver_error=torch.stack(self.errors).float() if self.errors else zero,
-            pruned_mass=self.pruned,
+            solver_iterations=torch.stack(self.iterations).float().mean(1) if self.iterations else zero,
+            solver_error=torch.stack(self.errors).float().amax(1) if self.errors else zero,
+            pruned_mass=(torch.stack(self.pruned).sum(0) if self.pruned
+                         else torch.zeros(self.bsz, device=self.device)),
         )
 
 
