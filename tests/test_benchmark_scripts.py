@@ -322,7 +322,7 @@ def test_count_host_ops_breaks_a_soft_beam_update_down_by_source():
     rows = {r[1].strip(): int(r[2]) for r in (line.split("|") for line in out.stdout.splitlines())
             if len(r) == 4 and r[2].strip().isdigit()}
     # the decoder steps, the relaxed top-k and PyTorch's own backward all show up, and they add up
-    assert {"soft_beam_search.py:soft_beam_search", "soft_beam_search.py:relax", "autograd engine"} <= set(rows)
+    assert {"soft_beam_search.py:soft_beam_search", "soft_topk.py:soft_topk", "autograd engine"} <= set(rows)
     assert sum(rows.values()) <= total and min(rows.values()) > 0
 
 
