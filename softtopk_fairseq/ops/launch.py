@@ -24,9 +24,8 @@ def temperature_outputs(x: torch.Tensor, eps, paper):
     if paper is None:
         return eps, None, None, 0.0, 0.0
     rows = x.shape[0]
-    return (torch.empty((rows,), dtype=torch.float32, device=x.device),
-            torch.empty((rows,), dtype=torch.int64, device=x.device),
-            torch.empty((rows,), dtype=torch.float32, device=x.device), *paper)
+    eps_and_slope = torch.empty((2, rows), dtype=torch.float32, device=x.device)  # one allocation, two rows
+    return eps_and_slope[0], torch.empty((rows,), dtype=torch.int64, device=x.device), eps_and_slope[1], *paper
 
 
 def ensure_contiguous(fn):
