@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # (rho, --teacher-forcing-mode): L_SOFT only; sample mode drawing L_SOFT (seed 0's draw is 0.496 > 0.3);
-# both losses (the teacher-forcing pass runs DDP's forward, the beam search shares its reduction).
+# both losses (one encoder pass for both, the teacher-forcing decoder and the beam search in DDP's forward).
 CASES = [(0.0, "sum"), (0.3, "sample"), (0.5, "sum")]
 
 
@@ -89,9 +89,9 @@ def test_gradients_agree_across_ddp_ranks_in_every_mode(tmp_path):
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_without_running_inside_ddp_forward_the_ranks_drift(tmp_path):
-    """The control that shows the test above can fail: calling the beam search directly (DDP's forward not
-    run) leaves each rank with its own batch's gradient when no teacher-forcing pass ran."""
+    """The control that shows the test above can fail: calling the criterion's model passes directly (DDP's
+    forward not run) leaves each rank with its own batch's gradient -- in every mode, since `sum` mode runs
+    both losses' passes through that same route."""
     results = _run(tmp_path, route=False)
-    assert results["0.0 sum"]["max_diff"] > 1e-3 * results["0.0 sum"]["scale"]
-    assert results["0.3 sample"]["max_diff"] > 1e-3 * results["0.3 sample"]["scale"]
-    assert results["0.5 sum"]["max_diff"] <= 1e-6 * results["0.5 sum"]["scale"]
+    for case, r in results.items():
+        assert r["max_diff"] > 1e-3 * r["scale"], (case, r)

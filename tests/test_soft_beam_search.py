@@ -349,6 +349,39 @@ def test_rho_mixes_the_two_losses(lstm_losses):
     assert log0["nll_loss"] == log0["soft_loss"]  # rho = 0: no teacher-forcing pass, nll is the beam's
 
 
+@pytest.mark.parametrize("arch", ["lstm", "transformer", "rnnsearch"])
+def test_sum_mode_runs_the_encoder_once_for_both_losses(arch):
+    """fairseq's encoder-then-decoder forwards: one encoder pass serves the teacher-forcing decoder and the beam
+    search, with the same losses and gradients as two passes (no dropout here: the passes are deterministic); a
+    model with a forward of its own keeps its forward for L_tf and runs the encoder again for the search."""
+    d = dictionary(12)
+    model = build(arch, d, dtype=torch.float64)
+    sample = batch(d)
+    task = TinyTask(d)
+    calls = []
+    model.encoder.register_forward_hook(lambda *args: calls.append(1))
+    tf, _, _ = _criterion(task, 1.0)(model, sample)
+    soft, _, _ = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    calls.clear()
+    shared_loss, shared_grads, log = _loss_and_grads(_criterion(task, 0.6, soft_topk_epsilon=0.5,
+                                                               report_accuracy=True), model, sample)
+    assert len(calls) == 1
+    assert log["total"] == sample["ntokens"] and 0 <= log["n_correct"] <= log["total"]  # --report-accuracy
+    torch.testing.assert_close(shared_loss, 0.6 * tf.detach() + 0.4 * soft.detach())
+
+    class OwnForward(type(model)):
+        def forward(self, src_tokens, src_lengths, prev_output_tokens):
+            return super().forward(src_tokens, src_lengths, prev_output_tokens)
+
+    model.__class__ = OwnForward
+    calls.clear()
+    loss, grads, _ = _loss_and_grads(_criterion(task, 0.6, soft_topk_epsilon=0.5), model, sample)
+    assert len(calls) == 2
+    torch.testing.assert_close(loss, shared_loss)
+    for a, b in zip(grads, shared_grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):
     model, sample, task, tf, soft, _ = lstm_losses
     crit = _criterion(task, 0.7, soft_topk_epsilon=0.5, teacher_forcing_mode="sample")

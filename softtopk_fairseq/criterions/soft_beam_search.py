@@ -17,19 +17,28 @@ alone (``rho = 0``, or ``--teacher-forcing-mode sample`` drawing L_SOFT) would l
 Such a batch therefore runs the beam search *inside* the wrapper's ``forward``
 (:func:`run_inside_ddp_forward`); when the teacher-forcing pass already went through it, the beam search
 shares that iteration's reduction. ``legacy_ddp`` does not depend on ``forward`` at all.
+
+``sum`` mode runs the encoder once for both losses when the model's ``forward`` is one of fairseq's
+encoder-then-decoder forwards (:data:`ENCODER_THEN_DECODER`: the transformer, LSTM and plain encoder-decoder
+models, and every architecture of this plugin): the teacher-forcing decoder and the beam search read the same
+encoder output -- the same dropout mask on it, an unbiased estimate of the same objective -- in one pass through
+the (DDP) wrapper's ``forward``. Other models run their own ``forward`` for ``L_tf`` and the encoder again.
 """
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from fairseq import metrics
+from fairseq import metrics, utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.dataclass import ChoiceEnum
+from fairseq.models import FairseqEncoderDecoderModel
+from fairseq.models.lstm import LSTMModel
+from fairseq.models.transformer import TransformerModelBase
 
 from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS, soft_beam_search
 from softtopk_fairseq.ops.soft_topk import SCALINGS
@@ -89,6 +98,19 @@ def _ddp_wrapper(model):
             return seen
         seen = getattr(seen, "module", None) if isinstance(seen, torch.nn.Module) else None
     return None
+
+
+# fairseq's own forwards that are "the encoder, then the decoder on its output": for models using one of them,
+# `sum` mode computes both losses from one encoder pass. Other models keep their own forward for L_tf.
+ENCODER_THEN_DECODER = (FairseqEncoderDecoderModel.forward, TransformerModelBase.forward, LSTMModel.forward)
+
+
+def _encoder_then_decoder(model) -> bool:
+    """Whether ``model`` (inside any DDP / fairseq wrappers) runs one of the :data:`ENCODER_THEN_DECODER`
+    forwards."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return type(model).forward in ENCODER_THEN_DECODER
 
 
 def run_inside_ddp_forward(model, fn):
@@ -155,22 +177,32 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             # on every worker. Unbiased: E[L] = rho * L_tf + (1 - rho) * L_SOFT.
             use_tf = bool(torch.rand(()) < self.rho)
             use_soft = not use_tf
+        net_input = sample["net_input"]
+
+        def search(m, encoder_out=None):
+            return soft_beam_search(m, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
+                                    pad=self.padding_idx, eos=self.eos, encoder_out=encoder_out,
+                                    **self.search_options)
+
+        net_output = out = None
+        if use_tf and use_soft and _encoder_then_decoder(model):
+            # Both losses from one encoder pass (and one dropout mask on it), inside DDP's forward.
+            def both(m):
+                encoder_out = m.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+                return m.decoder(net_input["prev_output_tokens"], encoder_out=encoder_out), search(m, encoder_out)
+
+            net_output, out = run_inside_ddp_forward(model, both)
         if use_tf:
-            tf_loss, _, tf_log = super().forward(model, sample, reduce=True)
-            nll_loss = tf_log["nll_loss"]
-            logging_output.update({k: v for k, v in tf_log.items() if k in ("n_correct", "total")})
+            tf_loss, tf_log = self._teacher_forcing_loss(model, sample, net_output)
+            nll_loss = tf_log.pop("nll_loss")
+            logging_output.update(tf_log)
             logging_output["tf_loss"] = tf_loss.data
             logging_output["tf_ntokens"] = sample["ntokens"]
             loss = tf_loss
         if use_soft:
-            net_input = sample["net_input"]
-
-            def search(m):
-                return soft_beam_search(m, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
-                                        pad=self.padding_idx, eos=self.eos, **self.search_options)
-
-            # Without a teacher-forcing pass in this batch, DDP's forward has not run: run the search in it.
-            out = search(model) if use_tf else run_inside_ddp_forward(model, search)
+            if out is None:
+                # Without a teacher-forcing pass in this batch, DDP's forward has not run: run the search in it.
+                out = search(model) if use_tf else run_inside_ddp_forward(model, search)
             soft_loss = out.nll.sum()
             loss = soft_loss if loss is None else self.rho * tf_loss + (1 - self.rho) * soft_loss
             if nll_loss is None:
@@ -187,6 +219,18 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         logging_output["loss"] = loss.data
         logging_output["nll_loss"] = nll_loss
         return loss, sample_size, logging_output
+
+    def _teacher_forcing_loss(self, model, sample, net_output=None):
+        """label_smoothed_cross_entropy's loss on ``net_output`` (the model's forward on the batch if None) and its
+        logs: ``nll_loss``, and ``n_correct`` / ``total`` with ``--report-accuracy``."""
+        if net_output is None:
+            net_output = model(**sample["net_input"])
+        loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
+        log = {"nll_loss": nll_loss.data}
+        if self.report_accuracy:
+            n_correct, total = self.compute_accuracy(model, net_output, sample)
+            log.update(n_correct=utils.item(n_correct.data), total=utils.item(total.data))
+        return loss, log
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

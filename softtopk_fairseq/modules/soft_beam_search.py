@@ -352,7 +352,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                      beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
                      candidates: int = 0, bookkeeping: str = "argmax",
-                     samples: int = PERTURBED_SAMPLES) -> SoftBeamOutput:
+                     samples: int = PERTURBED_SAMPLES, encoder_out=None) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
@@ -368,6 +368,8 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
             ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
             one argmax -- duplicate beams; ``"topk"`` keeps k distinct hypotheses. Both agree as eps -> 0.
+        encoder_out: ``model.encoder``'s output for ``src_tokens`` when the caller has it already (the
+            criterion's teacher-forcing pass); computed here otherwise.
     """
     if bookkeeping not in BOOKKEEPING:
         raise ValueError(f"soft_beam_search: bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
@@ -384,7 +386,8 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     if bool((lengths < 1).any()):
         raise ValueError("soft_beam_search: empty target")
 
-    encoder_out = model.encoder(src_tokens, src_lengths=src_lengths)
+    if encoder_out is None:
+        encoder_out = model.encoder(src_tokens, src_lengths=src_lengths)
     expand = torch.arange(bsz, device=device).repeat_interleave(k)
     encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
     incremental_state = {}
