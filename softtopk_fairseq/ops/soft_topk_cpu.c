@@ -32,6 +32,11 @@
 #define FLT_MAX_F 3.4028234663852886e+38f
 #define FLT_TINY 1.1754943508222875e-38  /* the smallest normal float: a floor for divisors */
 
+/* Entry j of a row counts: not masked out, and a score above -inf (so not NaN either). */
+static inline int valid_at(const float *x, const uint8_t *mask, int64_t j) {
+    return (mask == NULL || mask[j]) && x[j] > -INFINITY;
+}
+
 /* e^x for x <= 0: Cephes' expf polynomial (about 1 ulp), written so that gcc vectorises the loops that
  * call it; 0 below -87, where float32 underflows anyway. */
 static inline float exp_nonpos(float x) {
@@ -339,7 +344,7 @@ static void output_block(const float *out, const float *gout, const float *x, co
         memset(g + l * BLOCK, 0, sizeof(float) * padded(nb));
     }
     for (int j = 0; j < nb; j++) {
-        if ((mask && !mask[j]) || !(x[j] > -INFINITY)) continue;
+        if (!valid_at(x, mask, j)) continue;
         float sum = 0.0f;
         for (int l = 0; l < k; l++) {
             float p = out[j * k + l];
@@ -408,7 +413,7 @@ static inline float temperature_grad_from_sums(double gx, double gs, double xs, 
 /* The row's first valid score (0 if none): the reference of temperature_grad_from_sums's differences. */
 static float reference_score(const float *x, const uint8_t *mask, int64_t n) {
     for (int64_t j = 0; j < n; j++)
-        if ((mask == NULL || mask[j]) && x[j] > -INFINITY) return x[j];
+        if (valid_at(x, mask, j)) return x[j];
     return 0.0f;
 }
 
@@ -418,7 +423,7 @@ static float temperature_grad_row(const float *grad, const float *x, const uint8
     int64_t count = 0;
     float x_ref = reference_score(x, mask, n);
     for (int64_t j = 0; j < n; j++) {
-        if ((mask && !mask[j]) || !(x[j] > -INFINITY)) continue;
+        if (!valid_at(x, mask, j)) continue;
         double d = (double)x[j] - x_ref;
         gx += grad[j] * d;
         gs += grad[j];
@@ -443,7 +448,7 @@ static void sorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     const float *x = a->x + r * n;
     const uint8_t *mask = a->mask ? a->mask + r * n : NULL;
     int64_t n_valid = 0;
-    for (int64_t j = 0; j < n; j++) n_valid += (mask == NULL || mask[j]) && x[j] > -INFINITY;
+    for (int64_t j = 0; j < n; j++) n_valid += valid_at(x, mask, j);
     /* the active anchors (solvers.anchor_targets): the ranks with a valid entry each, and the rest if any */
     int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
     backward_row(a->out + r * n * k, a->gout + r * n * k, x, mask, n, k, a->y, ma, n_valid > k, a->eps[r], k + 1,
@@ -474,8 +479,8 @@ static void row_extremes(const float *xr, const uint8_t *mask, int64_t n, float 
     float h = -INFINITY, l = INFINITY;
     int64_t ha = 0, la = 0;
     for (int64_t j = 0; j < n; j++) {
+        if (!valid_at(xr, mask, j)) continue;
         float v = xr[j];
-        if ((mask && !mask[j]) || !(v > -INFINITY)) continue;
         if (v > h) { h = v; ha = j; }
         if (v < l) { l = v; la = j; }
     }
@@ -1172,7 +1177,7 @@ static inline __attribute__((always_inline)) void centred_grad_sums(
     for (int64_t j = full; j < n; j++) {  /* the row's tail */
         float gq = grad[j] * (g[j] - mean_g) * inv_eps;
         grad[j] = gq;
-        if (!(x[j] > -INFINITY) || (mask != NULL && !mask[j])) continue;
+        if (!valid_at(x, mask, j)) continue;
         sums[0] += (double)gq * (x[j] - x_ref);
         sums[1] += gq;
         sums[2] += x[j] - x_ref;
