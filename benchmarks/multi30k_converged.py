@@ -42,8 +42,8 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   one with the highest val BLEU is ``soft_beam_best``, which ``finetune`` then runs on every seed.
 * ``pruning`` -- on the first seed's converged checkpoint, M = 50 / 200 / exact compared on the same batches
   (``soft_beam_pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams), one ledger entry.
-* ``attention`` -- the transformer from scratch with softmax, SOFT top-k and hard top-k encoder-decoder
-  attention, with the pre-training's convergence rule.
+* ``attention`` -- the transformer from scratch with softmax, SOFT top-k, hard top-k and perturbed top-k
+  encoder-decoder attention (``ATTENTION``; ``--attention-modes`` picks), with the pre-training's convergence rule.
 
 Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, its hypotheses kept beside
 the ledger (``LEDGER.hyps/KEY.SUBSET.fr.gz``, written before the ledger row) for the paired bootstrap of
@@ -97,9 +97,14 @@ TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--e
                "--decoder-layers", "2", "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
                "--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256",
                "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--dropout", "0.1",
-               "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1", "--topk-attn-inference", "same"]
-ATTENTION = {"softmax": ["--topk-attn-mode", "softmax"], "soft_topk": ["--topk-attn-mode", "soft"],
-             "hard_topk": ["--topk-attn-mode", "hard"]}
+               "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1"]
+# Each arm's weights in training and in validation / scoring. The perturbed top-k (Berthet et al.) is random at
+# every call, so it is validated and scored with the hard top-k it smooths (its sigma -> 0 limit), not with
+# another noisy draw; the others with their own weights.
+ATTENTION = {"softmax": ["--topk-attn-mode", "softmax", "--topk-attn-inference", "same"],
+             "soft_topk": ["--topk-attn-mode", "soft", "--topk-attn-inference", "same"],
+             "hard_topk": ["--topk-attn-mode", "hard", "--topk-attn-inference", "same"],
+             "perturbed": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard"]}
 PAPER = ["--teacher-forcing-ratio", "0.8", "--teacher-forcing-mode", "sum", "--soft-beam-size", "5",
          "--soft-topk-epsilon", "0.1", "--soft-topk-scaling", "paper", "--soft-beam-bookkeeping", "argmax"]
 FINETUNE_RUNS = {
@@ -552,8 +557,8 @@ def report(args) -> str:
               "|---|---|---|---|---|"]
     pairs = [(f"finetune.{name}", "finetune.tf") for name in FINETUNE_RUNS if name != "tf"]
     pairs += [(f"attention.{mode}", "attention.softmax") for mode in ATTENTION if mode != "softmax"]
-    # Does the relaxation add anything over the hard top-k it relaxes (the same k, no gradient through the mask)?
-    pairs.append(("attention.soft_topk", "attention.hard_topk"))
+    # Does a relaxation add anything over the hard top-k it relaxes (the same k, no gradient through the mask)?
+    pairs += [("attention.soft_topk", "attention.hard_topk"), ("attention.perturbed", "attention.hard_topk")]
     for system, baseline in pairs:
         for subset in ("valid", "test"):
             diffs, ps = [], []
