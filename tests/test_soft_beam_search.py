@@ -195,6 +195,20 @@ def test_paper_scaling_gradients_are_finite_for_every_relaxation(relaxation, can
     assert sum(float(g.abs().sum()) for g in grads) > 0
 
 
+@pytest.mark.parametrize("relaxation,op", [("ot", "soft_topk"), ("softmax_k_times", "softmax_k_times"),
+                                            ("perturbed", "perturbed_topk")])
+@pytest.mark.parametrize("candidates", [0, 10])
+def test_a_model_that_outputs_nan_is_refused_by_every_relaxation(relaxation, op, candidates):
+    """NaN log-probabilities (a broken model) raise, whichever relaxation ranks them -- not a NaN L_SOFT (the
+    scaled relaxations once took a NaN candidate for an excluded one)."""
+    d = dictionary(10)
+    model = build("lstm", d)
+    with torch.no_grad():
+        model.decoder.fc_out.weight[5].fill_(torch.nan)
+    with pytest.raises(ValueError, match=f"{op}: scores contain NaN"):
+        run(model, batch(d), d, beam=3, relaxation=relaxation, scaling="paper", samples=4, candidates=candidates)
+
+
 def test_perturbed_soft_loss_with_fixed_noise_matches_finite_differences(monkeypatch):
     """With the noise fixed (the same seed for every evaluation), the perturbed A is piecewise constant in the
     parameters: the loss's derivative is then the gradient with A held fixed, which finite differences check

@@ -81,6 +81,8 @@ def test_divide_by_temperature_gradients_and_a_temperature_whose_square_underflo
     assert out[0, 2] == -torch.inf and torch.equal(out[1], x[1] / T[1].detach())
     out.masked_fill(out == -torch.inf, 0).sum().backward()
     assert float(xg.grad[0, 2]) == 0 and bool(torch.isfinite(T.grad).all())
+    # A NaN score is not an excluded entry: it stays NaN, for the relaxation it goes to to refuse.
+    assert bool(torch.isnan(divide_by_temperature(torch.tensor([[1.0, torch.nan]]), torch.ones(1))[0, 1]))
     x32 = torch.randn(3, 20).requires_grad_()
     A = softmax_k_times(x32, 5, epsilon=1e-30, scaling="paper")
     (A * torch.randn(A.shape)).sum().backward()

@@ -295,13 +295,15 @@ class _DivideByTemperature(torch.autograd.Function):
 
 def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[Tensor] = None) -> Tensor:
     """``scores / T`` along the last dimension, ``T`` (rows,) per row (e.g. :func:`effective_epsilon`),
-    differentiable in both; entries not ``valid`` (default: the ``-inf`` ones) are ``-inf`` with zero gradient.
-    Safe where the naive division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is
-    ``inf * 0 = NaN``), and ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2``
-    underflows. For relaxations that take the temperature as a division of the scores (softmax-k-times, the
-    perturbed top-k at ``sigma = 1``)."""
+    differentiable in both; entries not ``valid`` (default: the ``-inf`` ones, the op's rule,
+    ``backends.valid_entries``) are ``-inf`` with zero gradient. A NaN score stays NaN, for the relaxation it is
+    handed to to refuse (it is not an excluded entry: that would hide a broken model). Safe where the naive
+    division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is ``inf * 0 = NaN``), and
+    ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2`` underflows. For
+    relaxations that take the temperature as a division of the scores (softmax-k-times, the perturbed top-k at
+    ``sigma = 1``)."""
     if valid is None:
-        valid = scores > -torch.inf
+        valid = backends.valid_entries(scores, None)
     return _DivideByTemperature.apply(scores, temperature, valid)
 
 
