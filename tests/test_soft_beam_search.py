@@ -118,6 +118,10 @@ def test_topk_bookkeeping_keeps_distinct_beams_where_argmax_can_collapse():
     assert all(len({tuple(h) for h in sent.tolist()}) == 3 for sent in distinct.hypotheses)
     with pytest.raises(ValueError, match="bookkeeping"):
         run(model, sample, d, bookkeeping="nope")
+    with pytest.raises(ValueError, match="soft_beam_search: beam must be >= 1, got 0"):
+        run(model, sample, d, beam=0)
+    with pytest.raises(ValueError, match=r"soft_beam_search: candidates must be 0 \(all\) or >= beam \(3\), got 2"):
+        run(model, sample, d, beam=3, candidates=2)
 
 
 # -------------------------------------------------------------------------------- gradients -----------

@@ -364,7 +364,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             log-likelihood with ``scaling="none"``, normalised per sentence with ``"paper"`` (for every
             relaxation: the others then use the temperature ``soft_topk`` would). tol, max_iter: passed to
             ``soft_topk``. samples: Gaussian draws per step of ``"perturbed"``.
-        candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all).
+        candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all; else >= k).
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
             ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
             one argmax -- duplicate beams; ``"topk"`` keeps k distinct hypotheses. Both agree as eps -> 0.
@@ -373,6 +373,10 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     """
     if bookkeeping not in BOOKKEEPING:
         raise ValueError(f"soft_beam_search: bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
+    if beam < 1:
+        raise ValueError(f"soft_beam_search: beam must be >= 1, got {beam}")
+    if 0 < candidates < beam:  # the relaxed top-k of fewer than k candidates
+        raise ValueError(f"soft_beam_search: candidates must be 0 (all) or >= beam ({beam}), got {candidates}")
     decoder = model.decoder
     embed = getattr(decoder, "embed_tokens", None)
     if embed is None:
