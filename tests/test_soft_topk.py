@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-from softtopk_fairseq.ops import SoftTopK, soft_topk, solvers
+from softtopk_fairseq.ops import SoftTopK, perturbed_topk, soft_topk, softmax_k_times, solvers
 from softtopk_fairseq.ops.paper_reference import paper_sorted_soft_topk
 
 f64 = torch.float64
@@ -240,6 +240,33 @@ def test_clear_errors(bad, exc, match):
     scores, k = kwargs.pop("scores"), kwargs.pop("k")
     with pytest.raises(exc, match=match):
         soft_topk(scores, k, **kwargs)
+
+
+@pytest.mark.parametrize("op, temperature", [(soft_topk, "epsilon"), (softmax_k_times, "epsilon"),
+                                             (perturbed_topk, "sigma")])
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(scores=torch.tensor(1.0)), ValueError, "scores must have at least one dimension"),
+    (dict(scores=torch.ones(2, 3, dtype=torch.bool)), TypeError, "scores must be a floating-point tensor, got torch.bool"),
+    (dict(k=2.0), TypeError, "k must be an int, got float"),
+    (dict(k=torch.tensor(2)), TypeError, "k must be an int, got Tensor"),
+    (dict(k=4), ValueError, r"k must be in 1..n = 1..3 along dim -1, got k=4"),
+    (dict(dim=2), ValueError, r"dim=2 is out of range for scores with 2 dimension\(s\)"),
+    (dict(temperature=torch.tensor(0.1)), TypeError, "{t} must be a Python float, got a Tensor"),
+    (dict(temperature="0.1"), ValueError, "{t} must be a finite number > 0, got '0.1'"),
+    (dict(temperature=float("inf")), ValueError, "{t} must be a finite number > 0, got inf"),
+    (dict(mask=torch.ones(2, 3)), TypeError, "mask must be a bool tensor"),
+    (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, r"mask of shape \(2, 2\) does not broadcast"),
+    (dict(mask=torch.ones(4, 2, 3, dtype=torch.bool)), ValueError, r"mask of shape \(4, 2, 3\) does not broadcast"),
+])
+def test_every_operator_refuses_bad_arguments_by_one_rule(op, temperature, bad, exc, match):
+    """soft_topk, softmax_k_times and perturbed_topk check their shared arguments with one function
+    (ops/arguments.py): the same errors, each naming the operator (softmax_k_times once took dim=2 of a 2-D
+    tensor for dim 0, and both others let torch's own errors through)."""
+    kwargs = dict(scores=torch.randn(2, 3), k=2, dim=-1, temperature=0.1, mask=None)
+    kwargs.update(bad)
+    with pytest.raises(exc, match=f"{op.__name__}: {match.format(t=temperature)}"):
+        op(kwargs["scores"], kwargs["k"], dim=kwargs["dim"], mask=kwargs["mask"],
+           **{temperature: kwargs["temperature"]})
 
 
 def test_warns_when_iteration_cap_is_hit():

@@ -33,11 +33,12 @@ seeded generator. Masking and bad input follow ``soft_topk``: ``-inf`` scores (`
 entries (sorted); NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``sigma <= 0`` and ``samples < 1`` raise.
 float16/bfloat16 are computed in float32 and returned in their dtype.
 """
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from softtopk_fairseq.ops.arguments import check_selection
 
 
 def _hard_topk(z: Tensor, valid: Tensor, k: int, sorted: bool) -> Tensor:
@@ -96,21 +97,11 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = 0.1,
     scores; ``generator`` makes the noise reproducible; ``control_variate`` subtracts the estimate's mean
     from each sample in the backward (lower variance, still unbiased).
     """
-    if not isinstance(scores, Tensor) or not scores.is_floating_point():
-        raise TypeError(f"perturbed_topk: scores must be a floating-point tensor, got {type(scores).__name__}"
-                        f"{'' if not isinstance(scores, Tensor) else ' of ' + str(scores.dtype)}")
-    if scores.dim() == 0:
-        raise ValueError("perturbed_topk: scores must have at least one dimension")
-    dim = dim % scores.dim()
-    n = scores.shape[dim]
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-        raise ValueError(f"perturbed_topk: k must be an int in 1..n = 1..{n} along dim {dim}, got {k!r}")
-    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"perturbed_topk: sigma must be a finite number > 0, got {sigma!r}")
+    check_selection("perturbed_topk", scores, k, dim, "sigma", sigma, mask)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"perturbed_topk: samples must be an int >= 1, got {samples!r}")
-    if mask is not None and (not isinstance(mask, Tensor) or mask.dtype != torch.bool):
-        raise TypeError("perturbed_topk: mask must be a bool tensor (True = keep)")
+    dim = dim % scores.dim()
+    n = scores.shape[dim]
     compute = torch.float64 if scores.dtype == torch.float64 else torch.float32
     x = scores.to(compute).movedim(dim, -1)
     batch_shape = x.shape[:-1]

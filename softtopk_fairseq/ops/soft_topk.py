@@ -31,7 +31,6 @@ sort of its valid entries over ranks ``0..n_valid-1`` (sorted; ranks ``>= n_vali
 is all zeros. NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float scores raise.
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
-import math
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -39,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from softtopk_fairseq.ops import backends
+from softtopk_fairseq.ops.arguments import check_selection
 
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
@@ -188,40 +188,13 @@ def _constant_temperature(x: Tensor, epsilon: float) -> Tensor:
 
 
 def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
-    if not isinstance(scores, Tensor):
-        raise TypeError(f"soft_topk: scores must be a torch.Tensor, got {type(scores).__name__}")
-    if not scores.is_floating_point():
-        raise TypeError(f"soft_topk: scores must be a floating-point tensor, got {scores.dtype}")
-    if scores.dim() == 0:
-        raise ValueError("soft_topk: scores must have at least one dimension")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
-        raise ValueError(f"soft_topk: dim={dim!r} is out of range for scores with {scores.dim()} dimension(s) "
-                         f"(valid: {-scores.dim()}..{scores.dim() - 1})")
-    n = scores.shape[dim]
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"soft_topk: k must be an int, got {type(k).__name__}")
-    if not 1 <= k <= n:
-        raise ValueError(f"soft_topk: k must be in 1..n = 1..{n} along dim {dim}, got k={k}")
-    if isinstance(epsilon, Tensor):
-        raise TypeError("soft_topk: epsilon must be a Python float")
-    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"soft_topk: epsilon must be a finite number > 0, got {epsilon!r}")
+    check_selection("soft_topk", scores, k, dim, "epsilon", epsilon, mask)
     if scaling not in SCALINGS:
         raise ValueError(f"soft_topk: scaling must be one of {SCALINGS}, got {scaling!r}")
     if method not in METHODS:
         raise ValueError(f"soft_topk: method must be one of {METHODS}, got {method!r}")
     if backend not in BACKENDS:
         raise ValueError(f"soft_topk: backend must be one of {BACKENDS}, got {backend!r}")
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-            raise TypeError("soft_topk: mask must be a bool tensor (True = keep)")
-        if mask.device != scores.device:
-            raise ValueError(f"soft_topk: mask is on {mask.device} but scores are on {scores.device}")
-        try:
-            torch.broadcast_shapes(mask.shape, scores.shape)
-        except RuntimeError:
-            raise ValueError(f"soft_topk: mask of shape {tuple(mask.shape)} does not broadcast to scores "
-                             f"of shape {tuple(scores.shape)}") from None
 
 
 class _PaperTemperature(torch.autograd.Function):

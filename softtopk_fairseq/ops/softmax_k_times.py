@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from softtopk_fairseq.ops.arguments import check_selection
 from softtopk_fairseq.ops.backends import valid_entries
-from softtopk_fairseq.ops.soft_topk import divide_by_temperature, effective_epsilon
+from softtopk_fairseq.ops.soft_topk import SCALINGS, divide_by_temperature, effective_epsilon
 
 
 def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1,
@@ -33,18 +34,12 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0
     there). A row with fewer than ``l + 1`` valid entries gets an all-zero rank-``l`` column (like
     ``soft_topk``'s degenerate rows).
     """
-    if not scores.is_floating_point():
-        raise TypeError(f"softmax_k_times: scores must be a float tensor, got {scores.dtype}")
-    if not epsilon > 0:
-        raise ValueError(f"softmax_k_times: epsilon must be > 0, got {epsilon}")
-    if scaling not in ("none", "paper"):
-        raise ValueError(f"softmax_k_times: scaling must be 'none' or 'paper', got {scaling!r}")
+    check_selection("softmax_k_times", scores, k, dim, "epsilon", epsilon, mask)
+    if scaling not in SCALINGS:
+        raise ValueError(f"softmax_k_times: scaling must be one of {SCALINGS}, got {scaling!r}")
     if bool(torch.isnan(scores).any()):
         raise ValueError("softmax_k_times: scores contain NaN")
     dim = dim % scores.dim()
-    n = scores.shape[dim]
-    if not 1 <= k <= n:
-        raise ValueError(f"softmax_k_times: k={k} must be in 1..{n} (the size of dim {dim})")
     x = scores.movedim(dim, -1)
     valid = valid_entries(x, None if mask is None else mask.expand(scores.shape).movedim(dim, -1))
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

@@ -1,0 +1,48 @@
+"""The arguments the relaxed top-k operators share -- the scores, ``k``, ``dim``, the temperature and a mask --
+checked by one rule for all of them (``soft_topk``, ``softmax_k_times``, ``perturbed_topk``): each error names
+the operator, the bad value and what is allowed. What only one operator takes (its scaling, method, backend,
+samples) it checks itself."""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
+                    mask: Optional[Tensor]) -> None:
+    """Raise TypeError / ValueError unless ``scores`` is a floating-point tensor with at least one dimension,
+    ``dim`` one of its dimensions, ``k`` an int in ``1..scores.shape[dim]``, the temperature (called
+    ``temperature_name`` in the messages) a finite Python number > 0, and ``mask`` None or a bool tensor on the
+    scores' device that broadcasts to them."""
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"{op}: scores must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{op}: scores must be a floating-point tensor, got {scores.dtype}")
+    if scores.dim() == 0:
+        raise ValueError(f"{op}: scores must have at least one dimension")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
+        raise ValueError(f"{op}: dim={dim!r} is out of range for scores with {scores.dim()} dimension(s) "
+                         f"(valid: {-scores.dim()}..{scores.dim() - 1})")
+    n = scores.shape[dim]
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= n:
+        raise ValueError(f"{op}: k must be in 1..n = 1..{n} along dim {dim}, got k={k}")
+    if isinstance(temperature, Tensor):  # a constant of the operators, not an input they differentiate
+        raise TypeError(f"{op}: {temperature_name} must be a Python float, got a Tensor")
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                             and temperature > 0):
+        raise ValueError(f"{op}: {temperature_name} must be a finite number > 0, got {temperature!r}")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"{op}: mask must be a bool tensor (True = keep)")
+        if mask.device != scores.device:
+            raise ValueError(f"{op}: mask is on {mask.device} but scores are on {scores.device}")
+        try:
+            fits = torch.broadcast_shapes(mask.shape, scores.shape) == scores.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{op}: mask of shape {tuple(mask.shape)} does not broadcast to scores "
+                             f"of shape {tuple(scores.shape)}")
