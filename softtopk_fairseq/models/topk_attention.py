@@ -8,11 +8,13 @@ the stock and top-k models load into each other. What changes is the step from m
 
 Flags (all architectures):
 
-* ``--topk-attn-k K`` keys per query, ``--topk-attn-epsilon`` SOFT top-k temperature (attention-logit units);
-* ``--topk-attn-mode {soft,hard,softmax}`` the weights used in training: SOFT top-k, hard top-k (Explicit
-  Sparse Transformer), or plain softmax -- one model definition for all three rows of a comparison;
-* ``--topk-attn-inference {same,soft,hard,softmax}`` the weights in eval mode (``fairseq-generate``; override a
-  checkpoint's with ``--model-overrides "{'topk_attn_inference': 'hard'}"``);
+* ``--topk-attn-k K`` keys per query, ``--topk-attn-epsilon`` SOFT top-k temperature (attention-logit units;
+  the noise's standard deviation in ``perturbed`` mode), ``--topk-attn-samples`` perturbations per call;
+* ``--topk-attn-mode {soft,hard,softmax,perturbed}`` the weights used in training: SOFT top-k, hard top-k
+  (Explicit Sparse Transformer), plain softmax, or the perturbed top-k -- one model definition for every row
+  of a comparison;
+* ``--topk-attn-inference {same,soft,hard,softmax,perturbed}`` the weights in eval mode (``fairseq-generate``;
+  override a checkpoint's with ``--model-overrides "{'topk_attn_inference': 'hard'}"``);
 * transformer only: ``--topk-attn-layers`` which attentions use it, a comma list of ``encoder-decoder``
   (default), ``decoder-self``, ``encoder-self``.
 """
