@@ -157,6 +157,27 @@ def test_a_directory_of_unknown_files_is_refused_not_wiped(tmp_path):
     assert os.listdir(work) == ["thesis.tex"] and (work / "thesis.tex").read_text() == "precious"
 
 
+def test_bad_options_are_refused_all_at_once_before_the_workdir_is_touched(tmp_path):
+    """A bad option found after the training (a beam size of 0 at the scoring stage, a soft beam-search flag
+    when the fine-tuning starts) would cost the training: every option is checked first, one line each, the
+    soft beam-search and top-k attention ones by the criterion's and the layers' own rules."""
+    cfg = _tiny_config(tmp_path, beams=[5, 0], max_update=0, lr=float("nan"), src="en", tgt="en",
+                       soft_beam_candidates=2, teacher_forcing_ratio=1.5, topk_attn_epsilon=0.0)
+    with pytest.raises(SystemExit) as refused:
+        run.run_pipeline(cfg)
+    assert str(refused.value).splitlines() == [
+        "option error:",
+        "  --src and --tgt must be two different languages, got 'en' and 'en'",
+        "  --max-update must be >= 1, got 0",
+        "  --lr must be a finite number > 0, got nan",
+        "  --beams must be one or more beam sizes >= 1, got [5, 0]",
+        "  --teacher-forcing-ratio must be in [0, 1], got 1.5",
+        "  --soft-beam-candidates must be 0 (all) or >= --soft-beam-size (5), got 2",
+        "  --topk-attn-epsilon must be a finite number > 0, got 0.0"]
+    assert not (tmp_path / "work").exists()
+    assert run.option_problems(_tiny_config(tmp_path)) == []  # the defaults pass
+
+
 @pytest.mark.parametrize("problem, match", [
     ("unequal", r"3 lines in .en but 2 in .fr"),
     ("empty", r"train.fr: empty file"),

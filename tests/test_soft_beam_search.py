@@ -417,6 +417,8 @@ def test_criterion_rejects_bad_flags():
     task = TinyTask(dictionary(8))
     for kw, match in ((dict(rho=1.5), "teacher-forcing-ratio"), (dict(rho=0.5, soft_topk_epsilon=0), "epsilon"),
                       (dict(rho=0.5, soft_beam_candidates=2), "candidates"),
+                      (dict(rho=0.5, soft_beam_candidates=-1), r"--soft-beam-candidates must be 0 \(all\) or >="),
+                      (dict(rho=0.5, soft_topk_epsilon=float("inf")), "--soft-topk-epsilon must be a finite number"),
                       (dict(rho=0.5, soft_topk_method="perturbed", perturbed_sigma=0), "perturbed-sigma"),
                       (dict(rho=0.5, soft_topk_method="perturbed", perturbed_samples=0), "perturbed-samples")):
         rho = kw.pop("rho")

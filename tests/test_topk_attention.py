@@ -144,8 +144,11 @@ def test_inference_mode_switches_only_in_eval():
     assert layer.train().active_topk_mode == "soft" and layer.eval().active_topk_mode == "hard"
     layer.configure_topk(2, 0.1, "soft", "same")
     assert layer.eval().active_topk_mode == "soft"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="top-k attention: --topk-attn-k must be >= 1, got 0"):
         layer.configure_topk(0, 0.1, "soft", "same")
+    with pytest.raises(ValueError, match=r"--topk-attn-inference must be one of .*, got 'sparse'; "
+                                         r"--topk-attn-epsilon must be a finite number > 0, got inf"):
+        layer.configure_topk(2, float("inf"), "soft", "sparse")
 
 
 # --------------------------------------------------------------------- incremental == full forward ----

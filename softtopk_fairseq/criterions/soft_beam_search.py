@@ -26,7 +26,7 @@ the (DDP) wrapper's ``forward``. Other models run their own ``forward`` for ``L_
 """
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from fairseq import metrics, utils
@@ -128,6 +128,28 @@ def run_inside_ddp_forward(model, fn):
         del inner.forward
 
 
+def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
+    """What is wrong with the criterion's flags, one line each naming the flag, its value and what it must be
+    (empty when nothing is): the criterion refuses such a config, and the demo pipeline checks its own soft
+    beam-search options with it before anything runs."""
+    problems = []
+    if not 0.0 <= cfg.teacher_forcing_ratio <= 1.0:
+        problems.append(f"--teacher-forcing-ratio must be in [0, 1], got {cfg.teacher_forcing_ratio}")
+    if cfg.soft_beam_size < 1:
+        problems.append(f"--soft-beam-size must be >= 1, got {cfg.soft_beam_size}")
+    for flag, value in (("--soft-topk-epsilon", cfg.soft_topk_epsilon), ("--perturbed-sigma", cfg.perturbed_sigma)):
+        if not (math.isfinite(value) and value > 0):
+            problems.append(f"{flag} must be a finite number > 0, got {value}")
+    if cfg.perturbed_samples < 1:
+        problems.append(f"--perturbed-samples must be >= 1, got {cfg.perturbed_samples}")
+    if cfg.soft_beam_candidates < 0 or 0 < cfg.soft_beam_candidates < cfg.soft_beam_size:
+        problems.append(f"--soft-beam-candidates must be 0 (all) or >= --soft-beam-size ({cfg.soft_beam_size}), "
+                        f"got {cfg.soft_beam_candidates}")
+    if cfg.ignore_prefix_size > 0:
+        problems.append(f"--ignore-prefix-size is not supported (must be 0), got {cfg.ignore_prefix_size}")
+    return problems
+
+
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, cfg: SoftBeamSearchConfig):
@@ -138,21 +160,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"soft_beam_search: sentence_avg must be True or False, got {cfg.sentence_avg!r} "
                              "(fairseq sets it from --sentence-avg; pass SoftBeamSearchConfig(sentence_avg=...))")
         super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size, cfg.report_accuracy)
-        if not 0.0 <= cfg.teacher_forcing_ratio <= 1.0:
-            raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {cfg.teacher_forcing_ratio}")
-        if cfg.soft_beam_size < 1:
-            raise ValueError(f"--soft-beam-size must be >= 1, got {cfg.soft_beam_size}")
-        if not cfg.soft_topk_epsilon > 0:
-            raise ValueError(f"--soft-topk-epsilon must be > 0, got {cfg.soft_topk_epsilon}")
-        if not (math.isfinite(cfg.perturbed_sigma) and cfg.perturbed_sigma > 0):
-            raise ValueError(f"--perturbed-sigma must be a finite number > 0, got {cfg.perturbed_sigma}")
-        if cfg.perturbed_samples < 1:
-            raise ValueError(f"--perturbed-samples must be >= 1, got {cfg.perturbed_samples}")
-        if 0 < cfg.soft_beam_candidates < cfg.soft_beam_size:
-            raise ValueError(f"--soft-beam-candidates ({cfg.soft_beam_candidates}) must be 0 or >= --soft-beam-size "
-                             f"({cfg.soft_beam_size})")
-        if cfg.ignore_prefix_size > 0:
-            raise ValueError("soft_beam_search does not support --ignore-prefix-size")
+        problems = config_problems(cfg)
+        if problems:
+            raise ValueError("soft_beam_search: " + "; ".join(problems))
         self.rho = cfg.teacher_forcing_ratio
         self.sample_mode = str(cfg.teacher_forcing_mode) == "sample"
         method = str(cfg.soft_topk_method)

@@ -16,6 +16,9 @@ masked rows get all-zero weights (plain softmax would give NaN). ``log A``
 is taken of ``A`` floored at ``LOG_FLOOR``: a key that far outside the top k gets weight
 ``<= 1e-30 * softmax``, and its gradient through ``log`` is cut instead of overflowing to NaN.
 """
+import math
+from typing import List
+
 import torch
 from torch import Tensor
 
@@ -58,6 +61,25 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilo
     return torch.where(alive & valid, weights, torch.zeros_like(weights)).to(scores.dtype)
 
 
+def topk_option_problems(k: int, epsilon: float, mode: str = "soft", inference: str = "same",
+                         samples: int = DEFAULT_SAMPLES) -> List[str]:
+    """What is wrong with the top-k attention options, one line each naming the flag (``--topk-attn-*``), its
+    value and what it must be (empty when nothing is): the layers refuse such options, and the demo pipeline
+    checks its own with it before anything runs."""
+    problems = []
+    if mode not in MODES:
+        problems.append(f"--topk-attn-mode must be one of {MODES}, got {mode!r}")
+    if inference not in MODES + ("same",):
+        problems.append(f"--topk-attn-inference must be one of {MODES + ('same',)}, got {inference!r}")
+    if k < 1:
+        problems.append(f"--topk-attn-k must be >= 1, got {k}")
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        problems.append(f"--topk-attn-epsilon must be a finite number > 0, got {epsilon}")
+    if samples < 1:
+        problems.append(f"--topk-attn-samples must be >= 1, got {samples}")
+    return problems
+
+
 class TopkAttentionMixin:
     """Mode switching shared by the top-k attention layers."""
 
@@ -68,11 +90,9 @@ class TopkAttentionMixin:
     topk_samples: int
 
     def configure_topk(self, k: int, epsilon: float, mode: str, inference: str, samples: int = DEFAULT_SAMPLES):
-        if mode not in MODES or inference not in MODES + ("same",):
-            raise ValueError(f"top-k attention: mode {mode!r} / inference {inference!r} not in {MODES}")
-        if k < 1 or not epsilon > 0 or samples < 1:
-            raise ValueError(f"top-k attention: need --topk-attn-k >= 1, --topk-attn-epsilon > 0 and "
-                             f"--topk-attn-samples >= 1, got {k}, {epsilon}, {samples}")
+        problems = topk_option_problems(k, epsilon, mode, inference, samples)
+        if problems:
+            raise ValueError("top-k attention: " + "; ".join(problems))
         self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
         self.topk_samples = samples
         return self

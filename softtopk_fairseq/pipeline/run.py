@@ -10,7 +10,7 @@ Every fairseq step runs the real command line (``fairseq-train --user-dir user_d
 subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table goes to stdout and to
 ``WORKDIR/results.md``.
 
-Safe to re-run (``workdir.py``): the inputs are checked before the workdir is touched, a workdir that holds a
+Safe to re-run (``workdir.py``): the options and inputs are checked before the workdir is touched, a workdir that holds a
 different run is refused (never wiped), and running the same command again after an interruption resumes --
 completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``.
 
@@ -20,6 +20,7 @@ Using the trained models (``trained.py``; ``--help`` after the subcommand):
     python -m softtopk_fairseq.pipeline score --workdir W --test PREFIX [PREFIX ...]
 """
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -313,6 +314,36 @@ def results_table(rows: List[dict], beams: List[int]) -> str:
     return "\n".join(lines)
 
 
+def option_problems(cfg: Config) -> List[str]:
+    """What is wrong with the run's options, one line each naming the flag, its value and what it must be:
+    checked with the inputs, before the workdir is touched (a bad beam size found after the training would
+    cost the training). The soft beam-search and top-k attention options by the criterion's and the layers' own
+    rules."""
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, config_problems  # fairseq
+    from softtopk_fairseq.modules.topk_attention import topk_option_problems
+
+    problems = []
+    if not cfg.src or not cfg.tgt or cfg.src == cfg.tgt:
+        problems.append(f"--src and --tgt must be two different languages, got {cfg.src!r} and {cfg.tgt!r}")
+    at_least = [("--max-update", cfg.max_update, 1), ("--max-tokens", cfg.max_tokens, 1),
+                ("--bpe-size", cfg.bpe_size, 1), ("--max-lines", cfg.max_lines, 0), ("--warmup", cfg.warmup, 0),
+                ("--seed", cfg.seed, 0), ("--threads", cfg.threads, 0), ("--finetune-updates", cfg.finetune_updates, 0)]
+    if not cfg.train:  # the generated corpus
+        at_least += [(f"--toy-sizes ({split})", n, 1) for split, n in zip(("train", "valid", "test"), cfg.toy_sizes)]
+    problems += [f"{flag} must be >= {low}, got {value}" for flag, value, low in at_least if value < low]
+    problems += [f"{flag} must be a finite number > 0, got {value}"
+                 for flag, value in (("--lr", cfg.lr), ("--finetune-lr", cfg.finetune_lr))
+                 if not (math.isfinite(value) and value > 0)]
+    if not cfg.beams or min(cfg.beams) < 1:
+        problems.append(f"--beams must be one or more beam sizes >= 1, got {cfg.beams}")
+    problems += config_problems(SoftBeamSearchConfig(
+        sentence_avg=False, teacher_forcing_ratio=cfg.teacher_forcing_ratio, soft_beam_size=cfg.soft_beam_size,
+        soft_topk_epsilon=cfg.soft_topk_epsilon, soft_topk_scaling=cfg.soft_topk_scaling,
+        soft_beam_candidates=cfg.soft_beam_candidates))
+    problems += topk_option_problems(cfg.topk_attn_k, cfg.topk_attn_epsilon)
+    return problems
+
+
 def _inputs(cfg: Config) -> List[str]:
     """The raw files the run reads (none for the generated toy corpus), after checking every one of them."""
     splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
@@ -433,7 +464,10 @@ def run_pipeline(cfg: Config) -> List[dict]:
     """The whole pipeline in the workdir, every input checked first; a stage completed by an earlier start of the
     same run is skipped, an interrupted training continues from its checkpoint."""
     start = time.time()
-    inputs = _inputs(cfg)  # every input checked before the workdir is touched
+    problems = option_problems(cfg)  # every option and input checked before the workdir is touched
+    if problems:
+        raise SystemExit("option error:\n  " + "\n  ".join(problems))
+    inputs = _inputs(cfg)
     resumed = workdir.claim(cfg.workdir, workdir.fingerprint(cfg, inputs))
     stages = workdir.Stages(cfg.workdir)
     dirs = {name: os.path.join(cfg.workdir, name) for name in ("raw", "bpe", "bin", "checkpoints", "logs")}
