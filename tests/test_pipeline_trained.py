@@ -102,6 +102,8 @@ def test_translate_command_errors_are_one_line_and_nonzero(subword_workdir, tmp_
     assert out.returncode != 0 and b"no run.json" in out.stderr
     out = translate(["--workdir", subword_workdir], data=b"a man .\n\xe9t\xe9\n")
     assert out.returncode != 0 and b"standard input, line 2: not UTF-8" in out.stderr and out.stdout == b""
+    out = translate(["--workdir", subword_workdir, "--beam", "0"])
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].endswith(b"error: --beam must be >= 1, got 0")
 
 
 def test_score_adds_further_test_sets_to_the_results(subword_workdir, tmp_path, capsys):

@@ -216,11 +216,14 @@ def main(command: str, argv: List[str]) -> None:
     if command == "translate":
         p.add_argument("--checkpoint", default="tf",
                        help="which model: tf (teacher forcing), ft_tf, ft_soft_beam, ft_topk_attn (default: tf)")
-        args = p.parse_args(argv)
-        translate(args.workdir, args.checkpoint, args.beam, sys.stdin.buffer, sys.stdout)
     else:
         p.add_argument("--test", nargs="+", required=True, metavar="PREFIX",
                        help="raw test sets PREFIX.SRC / PREFIX.TGT (the run's languages)")
         p.add_argument("--checkpoint", nargs="+", help="which models (default: every finished one)")
-        args = p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.beam < 1:  # before any model is loaded (fairseq would fail deep inside the search)
+        p.error(f"--beam must be >= 1, got {args.beam}")
+    if command == "translate":
+        translate(args.workdir, args.checkpoint, args.beam, sys.stdin.buffer, sys.stdout)
+    else:
         score(args.workdir, args.test, args.checkpoint, args.beam)
