@@ -1,5 +1,5 @@
 """Draw a sentence pair's encoder-decoder attention from a checkpoint, one panel per attention mode -- plain
-softmax, SOFT top-k, hard top-k -- like Figure 6 of the paper.
+softmax, SOFT top-k, hard top-k (and the perturbed top-k's one random draw) -- like Figure 6 of the paper.
 
     python -m softtopk_fairseq.tools.plot_attention --path CKPT --data DATA_BIN --subset test --index 3 \\
         --modes softmax soft hard --out attention.png
@@ -15,6 +15,8 @@ import logging
 from typing import Dict, List, Optional
 
 import torch
+
+from softtopk_fairseq.modules.topk_attention import MODES
 
 
 def load(path: str, data: str):
@@ -62,6 +64,10 @@ def attention_maps(model, task, src, tgt, modes: List[str]) -> Dict[str, torch.T
     return maps
 
 
+TITLES = {"softmax": "softmax attention", "soft": "SOFT top-k attention", "hard": "hard top-k attention",
+          "perturbed": "perturbed top-k attention (one draw)"}  # a panel's title, by mode (modules' MODES)
+
+
 def plot(maps: Dict[str, torch.Tensor], src_tokens: List[str], tgt_tokens: List[str], out: str) -> None:
     # fairseq leaves the root logger open to DEBUG records: keep matplotlib's font-cache chatter out.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
@@ -76,8 +82,7 @@ def plot(maps: Dict[str, torch.Tensor], src_tokens: List[str], tgt_tokens: List[
         ax.imshow(weights.numpy(), cmap="Greys", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(src_tokens)), src_tokens, rotation=90, fontsize=8)
         ax.set_yticks(range(len(tgt_tokens)), tgt_tokens, fontsize=8)
-        ax.set_title({"softmax": "softmax attention", "soft": "SOFT top-k attention",
-                      "hard": "hard top-k attention"}[mode], fontsize=10)
+        ax.set_title(TITLES[mode], fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -92,7 +97,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
     p.add_argument("--index", type=int, default=0, help="sentence id in --subset")
     p.add_argument("--source", help="a source sentence instead of --subset/--index (model tokens)")
     p.add_argument("--target", help="its target sentence (model tokens)")
-    p.add_argument("--modes", nargs="+", default=["softmax", "soft", "hard"], choices=["softmax", "soft", "hard"])
+    p.add_argument("--modes", nargs="+", default=["softmax", "soft", "hard"], choices=MODES,
+                   help="panels, one per attention mode (perturbed: one random draw)")
     p.add_argument("--out", default="attention.png")
     a = p.parse_args(argv)
     if (a.source is None) != (a.target is None):
