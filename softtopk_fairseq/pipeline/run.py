@@ -10,9 +10,9 @@ Every fairseq step runs the real command line (``fairseq-train --user-dir user_d
 subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table goes to stdout and to
 ``WORKDIR/results.md``.
 
-Safe to re-run (``workdir.py``): the options and inputs are checked before the workdir is touched, a workdir that holds a
-different run is refused (never wiped), and running the same command again after an interruption resumes --
-completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``.
+Safe to re-run (``workdir.py``): the options and inputs are checked before the workdir is touched, a workdir
+that holds a different run is refused (never wiped), and running the same command again after an interruption
+resumes -- completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``.
 
 Using the trained models (``trained.py``; ``--help`` after the subcommand):
 
