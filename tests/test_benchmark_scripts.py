@@ -38,6 +38,17 @@ def test_operator_benchmark_prints_its_table():
     assert len(rows) == 1 and rows[0].count("|") == 18, out.stdout
 
 
+def test_unsorted_k_benchmark_prints_its_table():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_unsorted_k.py"), "--rows", "4", "--n", "300",
+                          "--ks", "5", "150", "299", "--peer-repeats", "2", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows[1:]] == ["5", "150", "299"], out.stdout
+    converged = [c.strip() for r in rows[1:] for c, name in zip(r, rows[0]) if name.strip().endswith("converged")]
+    assert converged == ["100%"] * 6, out.stdout  # both backends, every k (k = n - 1 included)
+
+
 def test_perturbed_gradient_variance_prints_its_table():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "perturbed_gradient_variance.py"), "--shapes", "generic",
                           "--samples", "2", "--seeds", "3", "--threads", "1"], capture_output=True, text=True,

@@ -529,18 +529,22 @@ int soft_topk_paper_temperature(const float *x, const uint8_t *mask, int64_t row
  * A_i = sigmoid(u_i - tau) with sum_i A_i = k over the valid elements: safeguarded Newton on
  * f(tau) = sum_i sigmoid(u_i - tau) - k (f' = -sum_i a_i, a = A(1 - A)) inside the bracket
  * [u_min + shift, u_max + shift] (shift = log((n-k)/k)), bisecting when a step leaves it; started from the
- * better of tau0 and tau0 + shift. Rows with n_valid <= k are all ones on the valid elements. Sums in double. */
+ * better of tau0 and tau0 + shift. Rows with n_valid <= k are all ones on the valid elements. Sums in double.
+ * Rows with 2k > n_valid evaluate f from the unselected side, (n_valid - k) - sum_i sigmoid(tau - u_i) (as
+ * solvers.newton_sigmoid_root does, and why). */
 
-static inline float sigmoid_f(float z) {
+/* sigmoid(z) and sigmoid(-z) = 1 - sigmoid(z), each to its own relative precision */
+static inline void sigmoid_pair(float z, float *s, float *s_neg) {
     float e = exp_nonpos(z >= 0.0f ? -z : z);  /* e^{-|z|}: never overflows */
     float r = 1.0f / (1.0f + e);                /* one division for both branches */
-    return z >= 0.0f ? r : e * r;
+    *s = z >= 0.0f ? r : e * r;
+    *s_neg = z >= 0.0f ? e * r : r;
 }
 
-/* f(tau) + k = sum_i A_i and sum_i A_i (1 - A_i) over the valid elements (wv = 1, else 0); A itself goes to
- * a (np entries), so that the last evaluation is the output. Each block of BLOCK elements is summed in PAD
- * float lanes, the blocks in double. */
-static void sigmoid_sums(const float *restrict u, const float *restrict wv, int64_t np, float tau,
+/* sum_i A_i (or, with complement, sum_i (1 - A_i)) and sum_i A_i (1 - A_i) over the valid elements (wv = 1,
+ * else 0); A itself goes to a (np entries), so that the last evaluation is the output. Each block of BLOCK
+ * elements is summed in PAD float lanes, the blocks in double. */
+static void sigmoid_sums(const float *restrict u, const float *restrict wv, int64_t np, float tau, int complement,
                          float *restrict a, double *mass, double *slope) {
     double m = 0.0, s = 0.0;
     for (int64_t start = 0; start < np; start += BLOCK) {
@@ -550,9 +554,11 @@ static void sigmoid_sums(const float *restrict u, const float *restrict wv, int6
         for (int64_t j = start; j < end; j += PAD) {
 #pragma omp simd
             for (int q = 0; q < PAD; q++) {
-                float aq = sigmoid_f(u[j + q] - tau) * wv[j + q];
+                float sq, cq;
+                sigmoid_pair(u[j + q] - tau, &sq, &cq);
+                float aq = sq * wv[j + q];
                 a[j + q] = aq;
-                mb[q] += aq;
+                mb[q] += (complement ? cq : sq) * wv[j + q];
                 sb[q] += aq * (1.0f - aq);
             }
         }
@@ -578,12 +584,17 @@ static float hard_threshold(float above, float below) {
 
 /* The scalar state of one row's root search (solvers.newton_sigmoid_root): the bracket [lo, hi] of the root,
  * tau and f(tau) = sum_i A_i - k, the slope sum_i A_i (1 - A_i) there, the second start's offset shift, and
- * what the row's size decides. */
+ * what the row's size decides (complement: f from the unselected side, whose mass is unselected = n_valid - k). */
 typedef struct {
     float tau, lo, hi, shift;
-    double f, slope, scale, log_k;
-    int k, log_step;
+    double f, slope, scale, log_k, unselected;
+    int k, log_step, complement;
 } root_state;
+
+/* f from the sums of sigmoid_sums (the selected or, with complement, the unselected side) */
+static inline double root_f(int complement, int k, double unselected, double side) {
+    return complement ? unselected - side : side - k;
+}
 
 /* Starts the search of a row with n_valid > k valid elements (solvers.unsorted_start) from its largest valid
  * score top0, its k-th and (k+1)-th largest (above, below), its smallest (lowest) and its normalisation
@@ -598,6 +609,8 @@ static float root_start(root_state *st, int k, double log_k, float log_kf, int64
     st->log_step = (double)k <= LOG_STEP_FRACTION * (double)n_valid;
     st->log_k = log_k;
     st->k = k;
+    st->complement = 2 * (int64_t)k > n_valid;
+    st->unselected = (double)(n_valid - k);
     st->shift = logf((float)(n_valid - k)) - log_kf;
     /* normalisation is monotone: the bracket's ends come from the extreme scores */
     st->lo = normalised(lowest, centre, eps, bound) + st->shift;
@@ -657,11 +670,11 @@ static inline float root_next(root_state *st) {
     return root_step(st->tau, st->f, st->slope, st->log_step, st->k, st->log_k, &st->lo, &st->hi);
 }
 
-/* Moves to threshold tau, where sum_i A_i = mass and sum_i A_i (1 - A_i) = slope; returns the relative error
- * |f| / min(k, n_valid - k). */
-static inline double root_evaluated(root_state *st, float tau, double mass, double slope) {
+/* Moves to threshold tau, where sigmoid_sums gave side and sum_i A_i (1 - A_i) = slope; returns the relative
+ * error |f| / min(k, n_valid - k). */
+static inline double root_evaluated(root_state *st, float tau, double side, double slope) {
     st->tau = tau;
-    st->f = mass - st->k;
+    st->f = root_f(st->complement, st->k, st->unselected, side);
     st->slope = slope;
     return fabs(st->f) / st->scale;
 }
@@ -674,10 +687,10 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
     int64_t np = padded(n);
     float shift = st.shift;
     double mass, slope, mass2, slope2;
-    sigmoid_sums(u, wv, np, tau0, a, &mass, &slope);
-    sigmoid_sums(u, wv, np, tau0 + shift, trial, &mass2, &slope2);
+    sigmoid_sums(u, wv, np, tau0, st.complement, a, &mass, &slope);
+    sigmoid_sums(u, wv, np, tau0 + shift, st.complement, trial, &mass2, &slope2);
     double err = root_evaluated(&st, tau0, mass, slope);
-    if (fabs(mass2 - k) < fabs(st.f)) {
+    if (fabs(root_f(st.complement, k, st.unselected, mass2)) < fabs(st.f)) {
         float *t = a; a = trial; trial = t;
         err = root_evaluated(&st, tau0 + shift, mass2, slope2);
     }
@@ -685,7 +698,7 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
     int done = err <= tol;
     while (!done && it < max_iter) {
         float next = root_next(&st);
-        sigmoid_sums(u, wv, np, next, trial, &mass, &slope);
+        sigmoid_sums(u, wv, np, next, st.complement, trial, &mass, &slope);
         float *t = a; a = trial; trial = t;  /* every step is taken: its sigmoids are the current ones */
         int stuck = next == st.tau;  /* the step no longer moves tau: the row's rounding floor */
         err = root_evaluated(&st, next, mass, slope);
@@ -903,18 +916,22 @@ int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, fl
 #define GROUP 16
 #define GROUP_ROW 64  /* rows up to this long, with k + 1 <= SHORT_ROW_TOP, go by groups */
 
-/* sum_i A_i and sum_i A_i (1 - A_i) of every lane at its threshold tau[l], A in a (transposed: a[j * GROUP + l])
- * on the lanes where take[l] is nonzero (the others' entries of a are left as they are). */
+/* sigmoid_sums of every lane at its threshold tau[l] (the unselected side where complement[l]), A in a
+ * (transposed: a[j * GROUP + l]) on the lanes where take[l] is nonzero (the others' entries of a are left as
+ * they are). */
 static void group_sigmoid_sums(const float *restrict ut, const float *restrict wt, int64_t n, const float *tau,
-                               const int *take, float *restrict a, double *restrict mass, double *restrict slope) {
+                               const int *complement, const int *take, float *restrict a, double *restrict mass,
+                               double *restrict slope) {
     double m[GROUP], sl[GROUP];
     for (int l = 0; l < GROUP; l++) { m[l] = 0.0; sl[l] = 0.0; }
     for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
         for (int l = 0; l < GROUP; l++) {
-            float aq = sigmoid_f(ut[j * GROUP + l] - tau[l]) * wt[j * GROUP + l];
+            float sq, cq;
+            sigmoid_pair(ut[j * GROUP + l] - tau[l], &sq, &cq);
+            float aq = sq * wt[j * GROUP + l];
             a[j * GROUP + l] = take[l] ? aq : a[j * GROUP + l];
-            m[l] += aq;
+            m[l] += (complement[l] ? cq : sq) * wt[j * GROUP + l];
             sl[l] += aq * (1.0f - aq);
         }
     }
@@ -1012,18 +1029,23 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
                             lowest[l], centre[l], eps[l], bound);
     }
     /* the better of the two starts */
-    int all[GROUP];
-    for (int l = 0; l < GROUP; l++) all[l] = 1;
-    group_sigmoid_sums(ut, wt, n, tau, all, cur, mass, slope);
+    int all[GROUP], complement[GROUP];
+    double unselected[GROUP];
+    for (int l = 0; l < GROUP; l++) {
+        all[l] = 1;
+        complement[l] = st[l].complement;
+        unselected[l] = st[l].unselected;
+    }
+    group_sigmoid_sums(ut, wt, n, tau, complement, all, cur, mass, slope);
     float tau2[GROUP];
     for (int l = 0; l < GROUP; l++) tau2[l] = tau[l] + st[l].shift;
-    group_sigmoid_sums(ut, wt, n, tau2, all, trial, mass2, slope2);
+    group_sigmoid_sums(ut, wt, n, tau2, complement, all, trial, mass2, slope2);
     int second[GROUP];
     for (int l = 0; l < GROUP; l++) {
         second[l] = 0;
         if (!active[l]) continue;
         err[l] = root_evaluated(&st[l], tau[l], mass[l], slope[l]);
-        if (fabs(mass2[l] - k) < fabs(st[l].f)) {
+        if (fabs(root_f(complement[l], k, unselected[l], mass2[l])) < fabs(st[l].f)) {
             err[l] = root_evaluated(&st[l], tau2[l], mass2[l], slope2[l]);
             second[l] = 1;
         }
@@ -1055,14 +1077,15 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
             float next = root_step(at[l], f[l], sl[l], log_step[l], k, log_k, &lo[l], &hi[l]);
             tau[l] = active[l] ? next : at[l];
         }
-        group_sigmoid_sums(ut, wt, n, tau, active, cur, mass, slope);  /* a stopped row keeps its sigmoids */
+        /* a stopped row keeps its sigmoids */
+        group_sigmoid_sums(ut, wt, n, tau, complement, active, cur, mass, slope);
         it++;
         any = 0;
 #pragma omp simd reduction(| : any)
         for (int l = 0; l < GROUP; l++) {  /* root_evaluated, on the active lanes */
             int on = active[l];
             int stuck = tau[l] == at[l];  /* the row's rounding floor (as in unsorted_solve_row) */
-            double fl = mass[l] - k, el = fabs(fl) / scale[l];
+            double fl = root_f(complement[l], k, unselected[l], mass[l]), el = fabs(fl) / scale[l];
             at[l] = tau[l];
             f[l] = on ? fl : f[l];
             sl[l] = on ? slope[l] : sl[l];

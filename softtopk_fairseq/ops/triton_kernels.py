@@ -379,16 +379,28 @@ def _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK: 
 
 
 @triton.jit
-def _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """sum_i A_i and sum_i A_i (1 - A_i) over the valid elements, A = sigmoid(u - tau)."""
-    mass = tl.zeros((), dtype=tl.float32)
+def _sigmoid_pair(z):
+    """sigmoid(z) and sigmoid(-z) = 1 - sigmoid(z), each to its own relative precision, from e^{-|z|} (which
+    never overflows)."""
+    e = tl.exp(-tl.abs(z))
+    r = 1.0 / (1.0 + e)
+    return tl.where(z >= 0, r, e * r), tl.where(z >= 0, e * r, r)
+
+
+@triton.jit
+def _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, complement, HAS_MASK: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """sum_i A_i (with ``complement``, sum_i (1 - A_i)) and sum_i A_i (1 - A_i) over the valid elements,
+    A = sigmoid(u - tau)."""
+    side = tl.zeros((), dtype=tl.float32)
     slope = tl.zeros((), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
         u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
-        a = tl.where(keep, tl.sigmoid(u - tau), 0.0)
-        mass += tl.sum(a, axis=0)
+        s, s_neg = _sigmoid_pair(u - tau)
+        a = tl.where(keep, s, 0.0)
+        side += tl.sum(tl.where(keep, tl.where(complement, s_neg, s), 0.0), axis=0)
         slope += tl.sum(a * (1.0 - a), axis=0)
-    return mass, slope
+    return side, slope
 
 
 @triton.jit
@@ -458,10 +470,14 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
     scale = tl.maximum(tl.minimum(k, n_valid - k), 1).to(tl.float32)
     log_step = k * 1.0 <= LOG_STEP_FRACTION * n_valid.to(tl.float32)  # Newton in log space from the tail
     log_k = tl.log(k * 1.0)
-    mass, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, HAS_MASK, BLOCK_N)
-    mass2, slope2 = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau + shift, HAS_MASK, BLOCK_N)
-    f = mass - k
-    f2 = mass2 - k
+    # f from the unselected side where 2k > n_valid (solvers.newton_sigmoid_root says why)
+    complement = 2 * k > n_valid
+    unselected = (n_valid - k).to(tl.float32)
+    side, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, complement, HAS_MASK, BLOCK_N)
+    side2, slope2 = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau + shift, complement, HAS_MASK,
+                                  BLOCK_N)
+    f = tl.where(complement, unselected - side, side - k)
+    f2 = tl.where(complement, unselected - side2, side2 - k)
     better = tl.abs(f2) < tl.abs(f)
     tau = tl.where(better, tau + shift, tau)
     f = tl.where(better, f2, f)
@@ -477,10 +493,10 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
         step = tl.where(log_step, tau + (tl.log(mass_now) - log_k) * mass_now / d, tau + f / d)
         inside = (step > lo) & (step < hi) & (step == step) & (tl.abs(step) < float("inf"))
         nxt = tl.where(inside, step, 0.5 * (lo + hi))
-        mass, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, nxt, HAS_MASK, BLOCK_N)
+        side, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, nxt, complement, HAS_MASK, BLOCK_N)
         stuck = nxt == tau  # the step no longer moves tau: the row's rounding floor
         tau = nxt
-        f = mass - k
+        f = tl.where(complement, unselected - side, side - k)
         err = tl.abs(f) / scale
         it += 1
         going = (err > tol) & (stuck == 0)
@@ -488,7 +504,8 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
     tl.store(info_ptr + row * 2 + 1, err)
     for start in range(0, n, BLOCK_N):
         u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
-        a = tl.where(solve, tl.sigmoid(u - tau), 1.0)
+        s, _ = _sigmoid_pair(u - tau)
+        a = tl.where(solve, s, 1.0)
         offs_n = start + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + row * n + offs_n, tl.where(keep, a, 0.0), mask=offs_n < n)
 
