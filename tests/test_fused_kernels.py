@@ -224,10 +224,11 @@ def test_sorted_ties_and_excluded_entries_among_the_top_scores(backend, scaling)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scaling", ["none", "paper"])
-@pytest.mark.parametrize("k", [1, 3, 37, 299])
+@pytest.mark.parametrize("k", [1, 3, 37, 64, 299])
 def test_unsorted_centre_and_start_for_any_k(backend, scaling, k):
     """The unsorted kernels find the centre x_(k) and the (k+1)-th score themselves (Triton: a bisection on the
-    scores' order, 32 passes for any k): rows of negative, positive, tied, signed-zero and -inf scores, masked
+    scores' order, 32 passes for any k; C: an insertion into the top-(k+1) up to k = 63, a radix selection
+    above, select_kth_pair): rows of negative, positive, tied, signed-zero and -inf scores, masked
     entries, a row of fewer than k valid entries, over two blocks; output and gradients (dL/deps included
     under the paper scaling) as the PyTorch path's."""
     device = _device(backend)

@@ -791,28 +791,91 @@ static int scan_row(const float *x, const uint8_t *mask, int64_t n, int kk, floa
 /* The rows' top-(k+1) holds kk = min(k + 1, n) scores. */
 static inline int top_count(const forward_args *a) { return a->k + 1 < a->n ? a->k + 1 : (int)a->n; }
 
+/* Scores as uint32 keys in the same order (-0.0 just below +0.0): negative floats' bits all flipped,
+ * positive ones' sign bit set; and back. */
+static inline uint32_t order_key(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+static inline float key_score(uint32_t key) {
+    uint32_t bits = key & 0x80000000u ? key & 0x7fffffffu : ~key;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* The k-th and (k+1)-th largest valid scores of a row with more than k >= 1 valid ones (ties counted as in a
+ * sorted list), in O(n) for any k where scan_row's insertion into a top-(k+1) costs O(n k) (at k = 500 of
+ * 1000, four times the rest of the unsorted forward): radix selection on the order keys, 8 bits a pass from
+ * the top, each pass over the keys that still share the k-th's prefix (compacted in place in keys, room for
+ * n). The (k+1)-th is the k-th again when it is tied, else the largest key dropped below it: the last pass
+ * that dropped any (a later pass's keys share more of the k-th's prefix). */
+static void select_kth_pair(const float *x, const uint8_t *mask, int64_t n, int k, uint32_t *keys, float *kth,
+                            float *next) {
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = x[j];
+        if ((mask == NULL || mask[j]) && v > -INFINITY) keys[m++] = order_key(v);
+    }
+    int64_t rank = k, above = 0;  /* the k-th is the rank-th largest key left; above: keys dropped above it */
+    uint32_t below = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        int64_t hist[256] = {0};
+        for (int64_t i = 0; i < m; i++) hist[(keys[i] >> shift) & 255u]++;
+        uint32_t b = 255;
+        while (rank > hist[b]) {  /* (ends: the keys left hold at least rank) */
+            rank -= hist[b];
+            above += hist[b];
+            b--;
+        }
+        int64_t left = 0;
+        uint32_t dropped = 0;
+        int any_dropped = 0;
+        for (int64_t i = 0; i < m; i++) {
+            uint32_t key = keys[i], digit = (key >> shift) & 255u;
+            if (digit == b) keys[left++] = key;
+            any_dropped |= digit < b;
+            dropped = digit < b && key > dropped ? key : dropped;
+        }
+        below = any_dropped ? dropped : below;
+        m = left;
+    }
+    *kth = key_score(keys[0]);
+    *next = above + m > k ? *kth : key_score(below);  /* above + m keys are >= the k-th */
+}
+
 /* An infinite (or NaN) temperature normalises every score to 0 -- the eps -> inf limit -- except where the
  * row's range hi - lo overflows too: inf / inf (launch.py's BAD_SCALE). */
 static inline int overflowing_scale(float eps, float hi, float lo) { return !(eps < INFINITY) && hi - lo == INFINITY; }
 
-/* A row's preparation shared by both forwards: scan_row into top (kk = min(k + 1, n) entries), then, unless
- * the row is bad (its bits go to *status: returns 0), its temperature (the paper scaling's when a->paper) and
- * its centre x_(k) (the smallest valid score when fewer than k are valid; 0 when none). Returns 1 when the row
- * is to be solved. */
-static int prepare_row(const forward_args *a, int64_t r, float *top, int64_t *n_valid, float *lowest,
-                       float *centre) {
+/* A row's preparation shared by both forwards: scan_row into top (kk = min(k + 1, n) entries; with keys, the
+ * unsorted forward's scratch of n, only the largest, and the k-th and (k+1)-th by select_kth_pair), then,
+ * unless the row is bad (its bits go to *status: returns 0), its temperature (the paper scaling's when
+ * a->paper), the k-th and (k+1)-th largest valid scores (pair, when more than k are valid) and its centre x_(k)
+ * (the smallest valid score when fewer than k are valid; 0 when none). Returns 1 when the row is to be
+ * solved. */
+static int prepare_row(const forward_args *a, int64_t r, float *top, uint32_t *keys, int64_t *n_valid,
+                       float *lowest, float pair[2], float *centre) {
     int64_t n = a->n;
     int k = a->k;
     const float *x = a->x + r * n;
     const uint8_t *mask = a->mask ? a->mask + r * n : NULL;
-    int bad = scan_row(x, mask, n, top_count(a), top, n_valid, lowest);
+    int bad = scan_row(x, mask, n, keys ? 1 : top_count(a), top, n_valid, lowest);
     if (bad) {
 #pragma omp atomic update
         *a->status |= bad;
         return 0;
     }
-    int64_t kth = (*n_valid < k ? *n_valid : k) - 1;
-    *centre = kth >= 0 ? top[kth] : 0.0f;
+    if (*n_valid > k && keys) {
+        select_kth_pair(x, mask, n, k, keys, &pair[0], &pair[1]);
+    } else if (*n_valid > k) {
+        pair[0] = top[k - 1];
+        pair[1] = top[k];
+    }
+    /* (with n_valid <= k valid scores the k-th largest would be the smallest, top[n_valid - 1]) */
+    *centre = *n_valid > k ? pair[0] : (*n_valid > 0 ? *lowest : 0.0f);
     if (a->paper) {
         float hi, lo;
         int64_t hi_at, lo_at;
@@ -845,10 +908,11 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     int64_t n = a->n, n_valid;
     int k = a->k;
     float *out = a->out + r * n, *info = a->info + 2 * r;
-    float top_stack[TOP_ON_STACK], lowest, centre;
-    float *top = top_buffer(a, top_stack);
-    if (!top) return;
-    if (prepare_row(a, r, top, &n_valid, &lowest, &centre)) {
+    float top[TOP_ON_STACK], lowest, centre, pair[2];
+    /* the k-th and (k+1)-th by selection when the top-(k+1) would not fit on the stack (a0: scratch until the
+     * solve) */
+    uint32_t *keys = top_count(a) > TOP_ON_STACK ? (uint32_t *)w->a0 : NULL;
+    if (prepare_row(a, r, top, keys, &n_valid, &lowest, pair, &centre)) {
         float eps = a->eps[r], bound = a->bound;
         normalise_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, eps, bound, w->u, w->wv);
         if (n_valid <= k) {  /* nothing to select: every valid element is in */
@@ -857,12 +921,11 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
             info[1] = 0.0f;
         } else {
             root_state st;
-            float tau0 = root_start(&st, k, log_pos(k), logf((float)k), n_valid, top[0], top[k - 1], top[k],
-                                    lowest, centre, eps, bound);
+            float tau0 = root_start(&st, k, log_pos(k), logf((float)k), n_valid, top[0], pair[0], pair[1], lowest,
+                                    centre, eps, bound);
             unsorted_solve_row(w->u, w->wv, n, k, st, tau0, a->tol, a->max_iter, w->a0, w->a1, out, info);
         }
     }
-    if (top != top_stack) free(top);
 }
 
 /* The sorted operator's row (forward_row) from its raw scores: after prepare_row, the k + 1 anchor masses
@@ -874,10 +937,10 @@ static void sorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     const forward_args *a = ctx;
     int64_t n = a->n, n_valid;
     int k = a->k, mp = k + 1;
-    float top_stack[TOP_ON_STACK], lowest, centre;
+    float top_stack[TOP_ON_STACK], lowest, centre, pair[2];
     float *top = top_buffer(a, top_stack);
     if (!top) return;
-    if (prepare_row(a, r, top, &n_valid, &lowest, &centre)) {
+    if (prepare_row(a, r, top, NULL, &n_valid, &lowest, pair, &centre)) {
         float eps = a->eps[r], bound = a->bound;
         float *tz0 = w->tz + 3 * mp, *shift = tz0 + mp, *c = shift + mp;
         int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
