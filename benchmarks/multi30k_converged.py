@@ -42,8 +42,9 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   one with the highest val BLEU is ``soft_beam_best``, which ``finetune`` then runs on every seed.
 * ``pruning`` -- on the first seed's converged checkpoint, M = 50 / 200 / exact compared on the same batches
   (``soft_beam_pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams), one ledger entry.
-* ``attention`` -- the transformer from scratch with softmax, SOFT top-k, hard top-k and perturbed top-k
-  encoder-decoder attention (``ATTENTION``; ``--attention-modes`` picks), with the pre-training's convergence rule.
+* ``attention`` -- the transformer from scratch with softmax, SOFT top-k, hard top-k and perturbed top-k (16 and
+  64 samples) encoder-decoder attention (``ATTENTION``; ``--attention-modes`` picks), with the pre-training's
+  convergence rule.
 
 Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, its hypotheses kept beside
 the ledger (``LEDGER.hyps/KEY.SUBSET.fr.gz``, written before the ledger row) for the paired bootstrap of
@@ -100,11 +101,15 @@ TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--e
                "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1"]
 # Each arm's weights in training and in validation / scoring. The perturbed top-k (Berthet et al.) is random at
 # every call, so it is validated and scored with the hard top-k it smooths (its sigma -> 0 limit), not with
-# another noisy draw; the others with their own weights.
+# another noisy draw; the others with their own weights. ``perturbed_64``: the same with 64 perturbations per call
+# instead of the default 16 -- a Monte-Carlo gradient with half the noise, which tests whether that noise is why
+# the perturbed arm trains worse.
 ATTENTION = {"softmax": ["--topk-attn-mode", "softmax", "--topk-attn-inference", "same"],
              "soft_topk": ["--topk-attn-mode", "soft", "--topk-attn-inference", "same"],
              "hard_topk": ["--topk-attn-mode", "hard", "--topk-attn-inference", "same"],
-             "perturbed": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard"]}
+             "perturbed": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard"],
+             "perturbed_64": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard",
+                              "--topk-attn-samples", "64"]}
 PAPER = ["--teacher-forcing-ratio", "0.8", "--teacher-forcing-mode", "sum", "--soft-beam-size", "5",
          "--soft-topk-epsilon", "0.1", "--soft-topk-scaling", "paper", "--soft-beam-bookkeeping", "argmax"]
 FINETUNE_RUNS = {
@@ -558,7 +563,10 @@ def report(args) -> str:
     pairs = [(f"finetune.{name}", "finetune.tf") for name in FINETUNE_RUNS if name != "tf"]
     pairs += [(f"attention.{mode}", "attention.softmax") for mode in ATTENTION if mode != "softmax"]
     # Does a relaxation add anything over the hard top-k it relaxes (the same k, no gradient through the mask)?
-    pairs += [("attention.soft_topk", "attention.hard_topk"), ("attention.perturbed", "attention.hard_topk")]
+    pairs += [(f"attention.{mode}", "attention.hard_topk") for mode in ATTENTION
+              if mode not in ("softmax", "hard_topk")]
+    # Does the perturbed arm's Monte-Carlo noise matter (4x the samples, same seed)?
+    pairs += [("attention.perturbed_64", "attention.perturbed")]
     for system, baseline in pairs:
         for subset in ("valid", "test"):
             diffs, ps = [], []

@@ -243,17 +243,20 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
                         "--encoder-ffn-embed-dim 16 --decoder-ffn-embed-dim 16 --encoder-attention-heads 2 "
                         "--decoder-attention-heads 2 --topk-attn-k 2")
     driver("run", *common, "--stages", "attention", "--attention-modes", "softmax", "soft_topk",
-           "hard_topk", "perturbed", "--extra-args", tiny_transformer)
+           "hard_topk", "perturbed", "perturbed_64", "--extra-args", tiny_transformer)
     with open(tmp_path / "ledger.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["key"] for r in rows] == ["pretrain.rnnsearch.seed1", "pruning.rnnsearch.seed1", "finetune.tf.seed1",
                                         "finetune.soft_beam_paper.seed1", "attention.softmax.seed1",
                                         "attention.soft_topk.seed1", "attention.hard_topk.seed1",
-                                        "attention.perturbed.seed1"]
-    perturbed = rows[-1]["extra"]  # trained perturbed, validated and scored with the hard top-k it smooths
-    assert perturbed[perturbed.index("--topk-attn-mode") + 1] == "perturbed"
-    assert perturbed.count("--topk-attn-inference") == 1
-    assert perturbed[perturbed.index("--topk-attn-inference") + 1] == "hard"
+                                        "attention.perturbed.seed1", "attention.perturbed_64.seed1"]
+    for row, samples in ((rows[-2], None), (rows[-1], "64")):
+        perturbed = row["extra"]  # trained perturbed, validated and scored with the hard top-k it smooths
+        assert perturbed[perturbed.index("--topk-attn-mode") + 1] == "perturbed"
+        assert perturbed.count("--topk-attn-inference") == 1
+        assert perturbed[perturbed.index("--topk-attn-inference") + 1] == "hard"
+        given = perturbed[perturbed.index("--topk-attn-samples") + 1] if "--topk-attn-samples" in perturbed else None
+        assert given == samples  # the default arm: the layers' default (16)
     pruning = rows[1]["rows"]
     assert [(p["setting"], p["candidates"]) for p in pruning][:3] == [("paper", 50), ("paper", 200), ("paper", 0)]
     # M of the paper-setting fine-tuning: the smallest M whose gradient is within cosine 0.99 of exact, else exact
@@ -323,6 +326,7 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     assert "| attention.soft_topk - attention.softmax | test |" in table
     assert "| attention.soft_topk - attention.hard_topk | valid |" in table
     assert "| attention.perturbed - attention.hard_topk | test |" in table
+    assert "| attention.perturbed_64 - attention.perturbed | valid |" in table
     assert "Pruning on pruning.rnnsearch.seed1" in table and "| paper | exact |" in table
     assert "--candidates auto: the smallest M" in table and f"paper {min(close, default=0) or 'exact'}" in table
     assert re.search(r"\| finetune.soft_beam_paper - finetune.tf \| valid \| [-+]\d+\.\d\d \| [-+]?\d+\.\d\d \| "
