@@ -1,15 +1,17 @@
 """The unsorted operator across k, at one shape: steps, accuracy and speed from k = 5 to k = n - 1.
 
     .venv/bin/python benchmarks/bench_unsorted_k.py [--rows 64 --n 1000] [--ks 5 100 500 900 980 995 999]
+        [--device cpu|cuda] [--backends FUSED torch]
 
-For each k and backend (``cpu``: the fused C kernels; ``torch``: our PyTorch path), on standard normal scores
-with the paper scaling at epsilon 0.1, it prints the mean Newton steps per row, the fraction of rows that
-report convergence (marginal error <= tol, 1e-6 in float32), the largest error of the output against the
-same problem solved in float64 to 1e-13, and the largest relative error of the unselected mass,
-|sum_i (1 - A_i) - (n - k)| / (n - k), summed in float64 from the output (near k = n the mass that tells a
-soft top-k from all-ones). With the ``bench`` extra it also times forward + backward of the C path and of
-entmax's ``budget_bisect`` (50 bisection steps, a sparse top-k mask) in turn (bench_soft_topk's
-``interleaved_medians``) and prints their ratio.
+For each k and backend (by default the fused kernels of the device -- ``cpu``: the C kernels, ``cuda``: Triton --
+and ``torch``, our PyTorch path), on standard normal scores with the paper scaling at epsilon 0.1, it prints the
+mean Newton steps per row, the fraction of rows that report convergence (marginal error <= tol, 1e-6 in
+float32), the largest error of the output against the same problem solved in float64 to 1e-13, and the largest
+relative error of the unselected mass, |sum_i (1 - A_i) - (n - k)| / (n - k), summed in float64 from the output
+(near k = n the mass that tells a soft top-k from all-ones). Then it times forward + backward of each backend
+and, with the ``bench`` extra, of entmax's ``budget_bisect`` (50 bisection steps, a sparse top-k mask), in turn
+(bench_soft_topk's ``interleaved_medians``; on a GPU each call synchronises), and prints budget_bisect over the
+first backend.
 """
 import argparse
 import os
@@ -23,7 +25,7 @@ from bench_soft_topk import budget_bisect, fwd_bwd, interleaved_medians  # noqa:
 from softtopk_fairseq.ops import soft_topk  # noqa: E402
 
 EPS = 0.1
-BACKENDS = ("cpu", "torch")
+FUSED = {"cpu": "cpu", "cuda": "triton"}
 
 
 def accuracy(x, k, backend):
@@ -37,6 +39,17 @@ def accuracy(x, k, backend):
             float((out.double() - ref).abs().max()), float(((unselected - (n - k)).abs() / (n - k)).max()))
 
 
+def synchronised(run, device):
+    """``run``, waiting for the GPU's queue at its end on ``cuda`` (so that a wall-clock time is the call's)."""
+    if device != "cuda":
+        return run
+
+    def run_and_wait():
+        run()
+        torch.cuda.synchronize()
+    return run_and_wait
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64)
@@ -44,31 +57,39 @@ def main():
     parser.add_argument("--ks", type=int, nargs="+", default=[5, 100, 500, 900, 980, 995, 999])
     parser.add_argument("--peer-repeats", type=int, default=50, help="calls of each timed op, interleaved")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=list(FUSED))
+    parser.add_argument("--backends", nargs="+", choices=["cpu", "triton", "torch"],
+                        help="default: the device's fused kernels, then torch")
     args = parser.parse_args()
+    backends = args.backends or [FUSED[args.device], "torch"]
     if args.threads:
         torch.set_num_threads(args.threads)
     bad = [k for k in args.ks if not 1 <= k < args.n]
     if bad:
         parser.error(f"--ks must be in [1, n) = [1, {args.n}), got {bad}")
-    x = torch.randn(args.rows, args.n, generator=torch.Generator().manual_seed(0))
-    w = torch.randn(args.rows, args.n, 1, generator=torch.Generator().manual_seed(1))
-    head = ["k"] + [f"{b} {col}" for b in BACKENDS for col in ("steps", "converged", "err vs f64", "unselected err")]
+    x = torch.randn(args.rows, args.n, generator=torch.Generator().manual_seed(0)).to(args.device)
+    w = torch.randn(args.rows, args.n, 1, generator=torch.Generator().manual_seed(1)).to(args.device)
+    head = ["k"] + [f"{b} {col}" for b in backends for col in ("steps", "converged", "err vs f64", "unselected err")]
+    head += [f"{b} fwd+bwd" for b in backends]
     if budget_bisect is not None:
-        head += ["cpu fwd+bwd", "budget_bisect", "budget_bisect/cpu"]
-    print(f"{args.rows}x{args.n}, paper scaling, epsilon {EPS}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+        head += ["budget_bisect", f"budget_bisect/{backends[0]}"]
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"{args.rows}x{args.n}, paper scaling, epsilon {EPS}, torch {torch.__version__}, {where}")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for k in args.ks:
         cells = [str(k)]
-        for backend in BACKENDS:
+        for backend in backends:
             steps, converged, err, unselected = accuracy(x, k, backend)
             cells += [f"{steps:.2f}", f"{converged:.0%}", f"{err:.1e}", f"{unselected:.1e}"]
+        ops = {b: (lambda z, b=b: soft_topk(z, k, epsilon=EPS, scaling="paper", backend=b)) for b in backends}
         if budget_bisect is not None:
-            t = interleaved_medians({"ours": fwd_bwd(lambda z: soft_topk(z, k, epsilon=EPS, scaling="paper",
-                                                                         backend="cpu"), x, w),
-                                     "bisect": fwd_bwd(lambda z: budget_bisect(z, k), x, w)}, args.peer_repeats)
-            cells += [f"{t['ours'] * 1e3:.2f} ms", f"{t['bisect'] * 1e3:.2f} ms", f"{t['bisect'] / t['ours']:.1f}x"]
+            ops["bisect"] = lambda z: budget_bisect(z, k)
+        t = interleaved_medians({name: synchronised(fwd_bwd(op, x, w), args.device) for name, op in ops.items()},
+                                args.peer_repeats)
+        cells += [f"{t[b] * 1e3:.2f} ms" for b in backends]
+        if budget_bisect is not None:
+            cells += [f"{t['bisect'] * 1e3:.2f} ms", f"{t['bisect'] / t[backends[0]]:.1f}x"]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [OUTDIR]          (default OUTDIR: work/gpu_check)
 # 1. the tests that exercise CUDA (Triton kernels against the PyTorch path, property tests through Triton,
 #    mixed precision on CUDA), 2. the GPU sections of the benchmarks (operator: Triton vs our PyTorch path
-#    and the paper's code; Triton launch parameters; soft beam-search update cost against teacher forcing,
+#    and the paper's code; the unsorted operator from k = 5 to n - 1; Triton launch parameters; soft beam-search update cost against teacher forcing,
 #    and its profile; top-k attention step cost), 3. a short fairseq-train with soft_beam_search and with
 #    transformer_topk_attn in fp16 (amp briefly; fairseq 0.12's --bf16 means a TPU), then fairseq-generate.
 # Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
@@ -63,6 +63,7 @@ section() {  # section NAME COMMAND...: run it, log it, add its tables (or its l
 section tests "$py" -m pytest -q -m "not slow" -p no:cacheprovider tests/test_fused_kernels.py tests/test_triton.py \
     tests/test_soft_topk_properties.py tests/test_soft_topk.py tests/test_mixed_precision.py
 section bench_soft_topk "$py" benchmarks/bench_soft_topk.py --device cuda --repeats 10
+section bench_unsorted_k "$py" benchmarks/bench_unsorted_k.py --device cuda
 section triton_tuning "$py" benchmarks/triton_tuning.py --repeats 10
 section bench_soft_beam "$py" benchmarks/bench_soft_beam.py --device cuda --threads 8 --repeats 5 --candidates 50 0
 section profile_soft_beam "$py" benchmarks/profile_soft_beam.py --device cuda --threads 8

@@ -38,9 +38,10 @@ def test_operator_benchmark_prints_its_table():
     assert len(rows) == 1 and rows[0].count("|") == 18, out.stdout
 
 
-def test_unsorted_k_benchmark_prints_its_table():
+@pytest.mark.parametrize("backends", [[], ["--backends", "triton", "torch"]])  # Triton: the interpreter here
+def test_unsorted_k_benchmark_prints_its_table(backends):
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_unsorted_k.py"), "--rows", "4", "--n", "300",
-                          "--ks", "5", "150", "299", "--peer-repeats", "2", "--threads", "1"],
+                          "--ks", "5", "150", "299", "--peer-repeats", "2", "--threads", "1", *backends],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
