@@ -868,11 +868,13 @@ static int prepare_row(const forward_args *a, int64_t r, float *top, uint32_t *k
         *a->status |= bad;
         return 0;
     }
-    if (*n_valid > k && keys) {
-        select_kth_pair(x, mask, n, k, keys, &pair[0], &pair[1]);
-    } else if (*n_valid > k) {
-        pair[0] = top[k - 1];
-        pair[1] = top[k];
+    if (*n_valid > k) {
+        if (keys) {
+            select_kth_pair(x, mask, n, k, keys, &pair[0], &pair[1]);
+        } else {
+            pair[0] = top[k - 1];
+            pair[1] = top[k];
+        }
     }
     /* (with n_valid <= k valid scores the k-th largest would be the smallest, top[n_valid - 1]) */
     *centre = *n_valid > k ? pair[0] : (*n_valid > 0 ? *lowest : 0.0f);

@@ -388,6 +388,13 @@ def _sigmoid_pair(z):
 
 
 @triton.jit
+def _root_f(complement, k, unselected, side):
+    """f = sum_i A_i - k from what :func:`_sigmoid_sums` gave: the selected side, or with ``complement`` the
+    unselected one (whose mass is ``unselected`` = n_valid - k)."""
+    return tl.where(complement, unselected - side, side - k)
+
+
+@triton.jit
 def _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, complement, HAS_MASK: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """sum_i A_i (with ``complement``, sum_i (1 - A_i)) and sum_i A_i (1 - A_i) over the valid elements,
@@ -476,8 +483,8 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
     side, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau, complement, HAS_MASK, BLOCK_N)
     side2, slope2 = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, tau + shift, complement, HAS_MASK,
                                   BLOCK_N)
-    f = tl.where(complement, unselected - side, side - k)
-    f2 = tl.where(complement, unselected - side2, side2 - k)
+    f = _root_f(complement, k, unselected, side)
+    f2 = _root_f(complement, k, unselected, side2)
     better = tl.abs(f2) < tl.abs(f)
     tau = tl.where(better, tau + shift, tau)
     f = tl.where(better, f2, f)
@@ -496,7 +503,7 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
         side, slope = _sigmoid_sums(x_ptr, valid_ptr, row, n, centre, eps, bound, nxt, complement, HAS_MASK, BLOCK_N)
         stuck = nxt == tau  # the step no longer moves tau: the row's rounding floor
         tau = nxt
-        f = tl.where(complement, unselected - side, side - k)
+        f = _root_f(complement, k, unselected, side)
         err = tl.abs(f) / scale
         it += 1
         going = (err > tol) & (stuck == 0)
