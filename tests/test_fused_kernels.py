@@ -199,6 +199,22 @@ def test_backward_matches_torch_path(backend, sorted):
     torch.testing.assert_close(grads[0], grads[1], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+def test_sorted_gradient_is_zero_where_the_clamped_forward_is_flat(backend):
+    """At epsilon = 1e-30 every gap between the scores is far past LOGIT_CLAMP in units of eps: the forward is
+    constant in x, its plan's off entries at the clamp's floor (exp(-64) ~ 1.6e-28). The backward must give 0
+    there; weighing the floor entries by 1 / eps, as the closed form alone does, gave gradients of ~300."""
+    torch.manual_seed(0)
+    device = _device(backend)
+    x = torch.randperm(36, device=device).float().view(3, 12).requires_grad_()  # gaps >= 1
+    out = soft_topk(x, 3, epsilon=1e-30, sorted=True, backend=backend)
+    assert bool(((out > 0) & (out < 1e-27)).any())  # the floor entries are there
+    nudged = soft_topk(x.detach() + 0.1 * torch.rand_like(x), 3, epsilon=1e-30, sorted=True, backend=backend)
+    assert torch.equal(out.detach(), nudged)  # flat: the true gradient is 0
+    (out * torch.randn_like(out)).sum().backward()
+    assert float(x.grad.abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scaling", ["none", "paper"])
 def test_sorted_ties_and_excluded_entries_among_the_top_scores(backend, scaling):

@@ -17,7 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from softtopk_fairseq.ops import triton_kernels as tk
 from softtopk_fairseq.ops.launch import STATUS_BITS
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
+from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
+                                          UNSORTED_KERNEL_CONSTANTS)
 
 FWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
        "out_ptr": "*fp32", "info_ptr": "*fp32", "status_ptr": "*i32", "n": "i32", "k": "i32", "bound": "fp32",
@@ -34,7 +35,7 @@ TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i6
 STATUS = {"SATURATION": SATURATION, **STATUS_BITS}
 KERNELS = (  # kernel, signature, its flag (or None), constexprs
     (tk.soft_topk_forward_kernel, FWD, "PAPER", {**KERNEL_CONSTANTS, **STATUS, "MP": 8}),
-    (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {"RIDGE_ULPS": KERNEL_CONSTANTS["RIDGE_ULPS"], "MP": 8}),
+    (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {**BACKWARD_KERNEL_CONSTANTS, "MP": 8}),
     (tk.soft_topk_unsorted_forward_kernel, UFWD, "PAPER", {**UNSORTED_KERNEL_CONSTANTS, **STATUS}),
     (tk.soft_topk_unsorted_backward_kernel, UBWD, "EPS_GRAD", {}),
     (tk.paper_temperature_kernel, TEMP, None, {}))

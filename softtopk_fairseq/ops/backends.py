@@ -142,6 +142,7 @@ class Backend:
         vf = valid.to(out.dtype)
         taken = out.transpose(-1, -2) * vf.unsqueeze(-2)                 # (rows, k, n)
         rest = (1 - taken.sum(-2)).clamp_min(0) * vf * (c[:, -1:] > 0).to(out.dtype)
+        taken, rest = (torch.where(p > solvers.PLAN_FLOOR, p, torch.zeros_like(p)) for p in (taken, rest))
         grad_u = implicit_backward.implicit_grad(taken, rest, grad_out.transpose(-1, -2), y, c)
         return torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
 

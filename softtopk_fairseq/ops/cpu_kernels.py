@@ -28,13 +28,15 @@ from typing import Optional
 import torch
 
 from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous, temperature_outputs
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
+from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
+                                          UNSORTED_KERNEL_CONSTANTS)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
 # The forwards report a batch's bad rows with launch.STATUS_BITS (bits of their return value; 1 = out of memory).
 # The solver constants come from solvers.py as -D flags (part of the cache key with the other flags), the
 # status bits from here.
-CONSTANTS = {**KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION, **STATUS_BITS}
+CONSTANTS = {**KERNEL_CONSTANTS, **BACKWARD_KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION,
+             **STATUS_BITS}
 # -fno-trapping-math: no floating-point exception is ever unmasked here; it lets gcc turn the selects around
 # divisions and comparisons into vector blends (the grouped unsorted solve's Newton step across 16 rows).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",

@@ -19,15 +19,16 @@
 
 #define BLOCK 256
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
-/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, SATURATION,
- * LOG_STEP_FRACTION) are defined once, in solvers.py, and handed to this file as -D flags by cpu_kernels.py,
- * with the status bits of the forwards (BAD_NAN, BAD_INF, BAD_SCALE: launch.py). */
+/* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, PLAN_FLOOR,
+ * SATURATION, LOG_STEP_FRACTION) are defined once, in solvers.py, and handed to this file as -D flags by
+ * cpu_kernels.py, with the status bits of the forwards (BAD_NAN, BAD_INF, BAD_SCALE: launch.py). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
-    || !defined(RIDGE_ULPS) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) || !defined(BAD_NAN) \
-    || !defined(BAD_INF) || !defined(BAD_SCALE)
+    || !defined(RIDGE_ULPS) || !defined(PLAN_FLOOR) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) \
+    || !defined(BAD_NAN) || !defined(BAD_INF) || !defined(BAD_SCALE)
 #error "compile with the -D flags of cpu_kernels.py (solvers.KERNEL_CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
+#define PLAN_FLOOR_F ((float)(PLAN_FLOOR))
 #define FLT_EPS 1.1920928955078125e-07
 #define FLT_MAX_F 3.4028234663852886e+38f
 #define FLT_TINY 1.1754943508222875e-38  /* the smallest normal float: a floor for divisors */
@@ -336,7 +337,7 @@ static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn
 
 /* Plan block rebuilt from the sorted output (rest column = 1 - taken where rest_on) and the upstream gradient,
  * both anchors-first: pl[l * BLOCK + j], g[l * BLOCK + j], for the mp anchors; zero where the score x is -inf
- * or the mask false. */
+ * or the mask false, and where the plan is at or below PLAN_FLOOR (the clamped forward's floor). */
 static void output_block(const float *out, const float *gout, const float *x, const uint8_t *mask, int nb, int k,
                          int rest_on, int mp, float *pl, float *g) {
     for (int l = 0; l < mp; l++) {  /* zero up to the padded length: accumulate reads whole PAD lanes */
@@ -348,11 +349,11 @@ static void output_block(const float *out, const float *gout, const float *x, co
         float sum = 0.0f;
         for (int l = 0; l < k; l++) {
             float p = out[j * k + l];
-            pl[l * BLOCK + j] = p;
+            pl[l * BLOCK + j] = p > PLAN_FLOOR_F ? p : 0.0f;
             g[l * BLOCK + j] = gout[j * k + l];
             sum += p;
         }
-        if (rest_on) pl[k * BLOCK + j] = sum < 1.0f ? 1.0f - sum : 0.0f;
+        if (rest_on) pl[k * BLOCK + j] = 1.0f - sum > PLAN_FLOOR_F ? 1.0f - sum : 0.0f;
     }
 }
 

@@ -49,6 +49,11 @@ NEAR_FLOOR = 1e-4
 DIRECT_LOGITS_MAX_U = 16.0
 # Largest logit difference between consecutive anchors kept as is (see _plan): exp(-64) ~ 1.6e-28.
 LOGIT_CLAMP = 64.0
+# Plan entries at or below this (twice the clamp's floor exp(-LOGIT_CLAMP), for rounding) are taken as 0 by the
+# sorted backwards: the clamped forward does not move them, while the closed form would weigh them by 1 / eps --
+# a gradient of order 1e-28 / eps where the forward is flat (320 at eps = 1e-30). Elsewhere it changes the
+# gradient by less than 1e-27 / eps.
+PLAN_FLOOR = 2.0 * math.exp(-LOGIT_CLAMP)
 # Marginal error of the hard-assignment start above which the log-c shifted start is tried too.
 SECOND_START_ERROR = 0.05
 # Ridge added to the Newton system, in units of the dtype's machine epsilon times the largest anchor mass.
@@ -65,6 +70,8 @@ LOG_STEP_FRACTION = 0.25
 # arguments and to the C kernels as -D flags (cpu_kernels.py), so that each is written once, here.
 KERNEL_CONSTANTS = {"LOGIT_CLAMP": LOGIT_CLAMP, "MAX_STEP": MAX_STEP, "NEAR_FLOOR": NEAR_FLOOR,
                     "SECOND_START_ERROR": SECOND_START_ERROR, "RIDGE_ULPS": RIDGE_ULPS}
+# ... those of the sorted backward's kernels ...
+BACKWARD_KERNEL_CONSTANTS = {"RIDGE_ULPS": RIDGE_ULPS, "PLAN_FLOOR": PLAN_FLOOR}
 # ... and those of the unsorted root's kernels.
 UNSORTED_KERNEL_CONSTANTS = {"LOG_STEP_FRACTION": LOG_STEP_FRACTION}
 

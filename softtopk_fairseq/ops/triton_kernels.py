@@ -4,8 +4,8 @@ the host issuing operations, not by the GPU, so everything a call needs is done 
 the one of ``solvers.py`` / ``backward.py`` and the schedule the one of the C kernels (``soft_topk_cpu.c``):
 same threshold parameterisation, same two starting points, same damping rule (trust region of ``MAX_STEP`` on
 the potentials, then halving, accepted when the marginal error drops), same Hessian and ridge. The solver
-constants are ``solvers.KERNEL_CONSTANTS`` (and ``SATURATION``), and the status bits ``launch.STATUS_BITS``,
-passed in as constexpr arguments (never restated here).
+constants are ``solvers.KERNEL_CONSTANTS`` (and ``BACKWARD_KERNEL_CONSTANTS``, ``SATURATION``), and the status
+bits ``launch.STATUS_BITS``, passed in as constexpr arguments (never restated here).
 
 * sorted forward (:func:`forward`): one program per row. It streams the row's raw scores to find what
   ``backends.Backend.solve`` prepares with a few dozen tensor operations -- the valid entries (not ``-inf``,
@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous, temperature_outputs
-from softtopk_fairseq.ops.solvers import KERNEL_CONSTANTS, SATURATION, UNSORTED_KERNEL_CONSTANTS
+from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
+                                          UNSORTED_KERNEL_CONSTANTS)
 
 # float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
 FLT_EPS = tl.constexpr(1.1920928955078125e-07)
@@ -311,9 +312,9 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
 
 @triton.jit
 def _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK: tl.constexpr,
-                 MP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Plan tile rebuilt from the sorted output (rest column = 1 - taken), the upstream gradient tile, and the
-    raw scores with their validity."""
+                 MP: tl.constexpr, BLOCK_N: tl.constexpr, PLAN_FLOOR: tl.constexpr):
+    """Plan tile rebuilt from the sorted output (rest column = 1 - taken; entries at or below PLAN_FLOOR, the
+    clamped forward's floor, as 0), the upstream gradient tile, and the raw scores with their validity."""
     x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
     offs_n = start + tl.arange(0, BLOCK_N)
     lane = tl.arange(0, MP)
@@ -322,13 +323,13 @@ def _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HA
     g = tl.load(g_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
     rest = tl.maximum(1.0 - tl.sum(p, axis=1), 0.0)
     p = tl.where((lane[None, :] == k) & keep[:, None] & (rest_on != 0), rest[:, None], p)
-    return p, g, x, keep
+    return tl.where(p > PLAN_FLOOR, p, 0.0), g, x, keep
 
 
 @triton.jit
 def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n, k,
                               HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, MP: tl.constexpr,
-                              BLOCK_N: tl.constexpr, RIDGE_ULPS: tl.constexpr):
+                              BLOCK_N: tl.constexpr, RIDGE_ULPS: tl.constexpr, PLAN_FLOOR: tl.constexpr):
     """dL/dx of the sorted operator from its output (backward.implicit_grad, divided by eps), and with
     ``EPS_GRAD`` dL/deps (backward.temperature_grad), for one row."""
     row = tl.program_id(0)
@@ -348,7 +349,7 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_pt
     ppt = tl.zeros((MP, MP), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
         p, g, x, keep = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
-                                     BLOCK_N)
+                                     BLOCK_N, PLAN_FLOOR)
         g_bar = tl.sum(p * g, axis=1)
         v += tl.sum(p * (g - g_bar[:, None]), axis=0)
         s += tl.sum(p, axis=0)
@@ -359,7 +360,7 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_pt
     moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
     for start in range(0, n, BLOCK_N):
         p, g, x, keep = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
-                                     BLOCK_N)
+                                     BLOCK_N, PLAN_FLOOR)
         y_bar = tl.sum(p * y[None, :], axis=1)
         grad = tl.where(keep, tl.sum(p * (y[None, :] - y_bar[:, None]) * (g - w[None, :]), axis=1) / eps, 0.0)
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -618,7 +619,7 @@ def backward(out, grad_out, x, mask, eps, k, eps_grad, block=None, num_warps=Non
     soft_topk_backward_kernel[(rows,)](
         out, grad_out, x, mask if mask is not None else x, eps, grad, grad_eps if eps_grad else grad, n, k,
         HAS_MASK=mask is not None, EPS_GRAD=bool(eps_grad), MP=mp, BLOCK_N=block,
-        num_warps=num_warps or warps_for(block, mp), RIDGE_ULPS=KERNEL_CONSTANTS["RIDGE_ULPS"])
+        num_warps=num_warps or warps_for(block, mp), **BACKWARD_KERNEL_CONSTANTS)
     return grad, grad_eps
 
 
