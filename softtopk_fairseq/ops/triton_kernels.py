@@ -260,9 +260,11 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     u_top = tl.where(top > float("-inf"), tl.minimum(tl.maximum(tl.div_rn(top - centre, eps), -bound), bound),
                      float("-inf"))
     # Hard-assignment start (solvers.initial_thresholds), stored shifted: tz[l] = t_{l-1}, the boundary
-    # between the l-th largest and the next; 0 where anchor l is inactive (m_act switches it off).
+    # between the l-th largest and the next; 0 where anchor l is inactive (m_act switches it off). The inactive
+    # lanes' -inf scores are zeroed before the arithmetic, which would otherwise form inf - inf there.
+    live = (lane >= 1) & (lane < m_act)
     u_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, u_top[None, :], 0.0), axis=1)
-    tz = tl.where((lane >= 1) & (lane < m_act), _hard_boundary(u_prev, u_top, SATURATION), 0.0)
+    tz = tl.where(live, _hard_boundary(tl.where(live, u_prev, 0.0), tl.where(live, u_top, 0.0), SATURATION), 0.0)
     s, ppt, err = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK, MP, BLOCK_N,
                             LOGIT_CLAMP)
     # Second starting point (thresholds shifted by log c, solvers.log_mass_shift: only the rest anchor's mass
