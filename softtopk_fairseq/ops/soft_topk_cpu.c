@@ -25,7 +25,7 @@
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
     || !defined(RIDGE_ULPS) || !defined(PLAN_FLOOR) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) \
     || !defined(BAD_NAN) || !defined(BAD_INF) || !defined(BAD_SCALE)
-#error "compile with the -D flags of cpu_kernels.py (solvers.KERNEL_CONSTANTS)"
+#error "compile with the -D flags of cpu_kernels.py (cpu_kernels.CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
 #define PLAN_FLOOR_F ((float)(PLAN_FLOOR))
