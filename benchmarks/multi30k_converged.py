@@ -7,8 +7,8 @@
 Any line-aligned en-fr data works (``prepare.py`` is the WMT14 en-fr recipe's): ``--data DIR`` with
 ``DIR/train``, ``DIR/val`` and ``DIR/test_2016_flickr`` (``.en``/``.fr``; ``--valid-name``/``--test-name`` for
 other names). One workdir and one ledger hold one data set: ``data/source.json`` records the inputs' sha256 when
-they are prepared, each ledger row the prepared data's (``data_sha256``), and ``run`` stops, before it trains, when
-``--data`` or the ledger's rows disagree with the workdir.
+they are prepared, each ledger row the prepared data's (``data_fingerprint``), and ``run`` stops, before it trains,
+when ``--data`` or the ledger's rows disagree with the workdir.
 
 Stages (each run is one fairseq-train command line, recorded in the ledger the moment it is scored; a run
 already in the ledger is skipped, and an interrupted one continues from its own ``checkpoint_last.pt``):
@@ -164,13 +164,20 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+# The files of data/bin a run reads: the dictionaries and the binarised splits. fairseq-preprocess writes its log
+# there too (preprocess.log: its arguments, absolute paths included, appended to on every preparation), which is not
+# data: fingerprinting it tied a ledger to the folder its workdir was prepared in.
+DATA_FILE = re.compile(r"^dict\.[^/]+\.txt$|\.(bin|idx)$")
+
+
 def prepared_fingerprint(data: str) -> str:
-    """sha256 (16 hex digits) of the prepared data a run trains and is scored on: every file of ``data/bin``
-    (dictionaries, binarised splits), names and contents -- recorded in each ledger row as ``data_sha256``."""
+    """sha256 (16 hex digits) of the prepared data a run trains and is scored on: the dictionaries and binarised
+    splits of ``data/bin`` (:data:`DATA_FILE`), names and contents -- the same wherever the workdir is; recorded in
+    each ledger row as ``data_fingerprint``."""
     digest = hashlib.sha256()
     bin_dir = os.path.join(data, "bin")
     for name in sorted(os.listdir(bin_dir)):
-        if os.path.isfile(os.path.join(bin_dir, name)):
+        if DATA_FILE.search(name) and os.path.isfile(os.path.join(bin_dir, name)):
             digest.update(f"{name}\0{file_sha256(os.path.join(bin_dir, name))}\n".encode())
     return digest.hexdigest()[:16]
 
@@ -305,17 +312,24 @@ class Study:
             json.dump({"data": os.path.abspath(a.data), "files": inputs}, f, indent=1, sort_keys=True)
 
     def check_ledger(self) -> None:
-        """The ledger's runs were trained on this workdir's prepared data (rows record ``data_sha256``; rows of
-        earlier versions, without it, are not checked): one ledger, one data set."""
-        others = sorted(key for key, row in rows_by_key(self.ledger).items()
-                        if row.get("data_sha256", self.data_sha256) != self.data_sha256)
+        """The ledger's runs were trained on this workdir's prepared data (rows record ``data_fingerprint``): one
+        ledger, one data set. Rows without it are not checked: rows of versions before the fingerprint, and rows
+        with only ``data_sha256``, the first version's, whose hash took in fairseq-preprocess's log (the workdir's
+        paths) and cannot be recomputed from the data -- named once, so that a user knows what was not checked."""
+        rows = rows_by_key(self.ledger)
+        others = sorted(key for key, row in rows.items()
+                        if row.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint)
         if others:
             raise SystemExit(f"multi30k_converged: the ledger {self.ledger} has runs on other prepared data than "
-                             f"{self.data} (data_sha256 {self.data_sha256}): {', '.join(others[:5])}"
+                             f"{self.data} (data_fingerprint {self.data_fingerprint}): {', '.join(others[:5])}"
                              f"{' ...' if len(others) > 5 else ''}. Give this data its own --ledger")
+        legacy = sorted(key for key, row in rows.items() if "data_sha256" in row and "data_fingerprint" not in row)
+        if legacy:
+            print(f"multi30k_converged: not checked against {self.data}: {', '.join(legacy)} (they record only the "
+                  "first version's data_sha256, which hashed fairseq-preprocess's log with the data)", flush=True)
 
     def record(self, row: dict) -> None:
-        append_row(self.ledger, {**row, "data_sha256": self.data_sha256})
+        append_row(self.ledger, {**row, "data_fingerprint": self.data_fingerprint})
 
     def converge_args(self) -> List[str]:
         a = self.args
@@ -484,7 +498,7 @@ class Study:
         a = self.args
         self.prepare()
         os.makedirs(a.workdir, exist_ok=True)
-        self.data_sha256 = prepared_fingerprint(self.data)
+        self.data_fingerprint = prepared_fingerprint(self.data)
         self.check_ledger()
         if "pretrain" in a.stages:
             for seed in a.seeds:

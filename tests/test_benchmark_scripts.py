@@ -287,7 +287,7 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     # driver before it trains or writes anything.
     with open(tmp_path / "ledger.jsonl") as f:
         recorded = [json.loads(line) for line in f]
-    assert len({r["data_sha256"] for r in recorded}) == 1 and len(recorded[0]["data_sha256"]) == 16
+    assert len({r["data_fingerprint"] for r in recorded}) == 1 and len(recorded[0]["data_fingerprint"]) == 16
     assert set(json.loads((tmp_path / "work" / "data" / "source.json").read_text())["files"]) == {
         f"{split}.{lang}" for split in ("train", "val", "test_2016_flickr") for lang in ("en", "fr")}
 
@@ -309,7 +309,8 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
     (other / "val.fr").unlink()
     refused(other, tmp_path / "ledger.jsonl", "lacks val.fr")
     foreign = tmp_path / "foreign.jsonl"
-    foreign.write_text(json.dumps({**recorded[0], "key": "attention.softmax.seed9", "data_sha256": "0" * 16}) + "\n")
+    foreign.write_text(json.dumps({**recorded[0], "key": "attention.softmax.seed9", "data_fingerprint": "0" * 16})
+                       + "\n")
     refused(data, foreign, "other prepared data")
     # Another session's workdir: the checkpoints are gone, the ledger and the kept hypotheses are not.
     shutil.rmtree(tmp_path / "work" / "checkpoints")
@@ -369,6 +370,44 @@ def test_count_host_ops_prints_its_table():
     # the fused unsorted call is a handful of host operations (one kernel each way), the PyTorch path's hundreds
     for backend in ("cpu", "triton") if ("triton", "paper", "unsorted") in counts else ("cpu",):
         assert counts[(backend, "paper", "unsorted")] < counts[("torch", "paper", "unsorted")] / 5
+
+
+def test_converged_study_fingerprints_the_prepared_data_not_where_it_was_prepared(tmp_path, capsys):
+    """The ledger's data fingerprint covers the dictionaries and binarised splits, names and contents, and not
+    fairseq-preprocess's log (its arguments, with the workdir's absolute paths): the same data prepared in two
+    folders has one fingerprint. Rows of the first version (data_sha256, log included) are named, not refused."""
+    sys.path.insert(0, BENCH)
+    import multi30k_converged as converged
+    from jsonl_ledger import append_row
+
+    def prepared(where, log, train=b"\x01\x02"):
+        bin_dir = tmp_path / where / "data" / "bin"
+        bin_dir.mkdir(parents=True)
+        for name, content in (("dict.en.txt", b"a 3\n"), ("dict.fr.txt", b"b 2\n"), ("train.en-fr.en.bin", train),
+                              ("train.en-fr.en.idx", b"\x00"), ("preprocess.log", log)):
+            (bin_dir / name).write_bytes(content)
+        return str(bin_dir.parent)
+
+    here = converged.prepared_fingerprint(prepared("a", b"Namespace(destdir='/a/data/bin')\n"))
+    assert converged.prepared_fingerprint(prepared("b", b"Namespace(destdir='/b/data/bin')\n" * 2)) == here
+    assert converged.prepared_fingerprint(prepared("c", b"", train=b"\x01\x03")) != here  # a split's content
+    renamed = prepared("d", b"")
+    os.rename(os.path.join(renamed, "bin", "dict.fr.txt"), os.path.join(renamed, "bin", "dict.de.txt"))
+    assert converged.prepared_fingerprint(renamed) != here  # a file's name
+
+    ledger = tmp_path / "ledger.jsonl"
+    study = converged.Study(argparse.Namespace(ledger=str(ledger), workdir=str(tmp_path / "a"), prepared=None))
+    study.data_fingerprint = here
+    append_row(str(ledger), {"key": "attention.softmax.seed1", "data_sha256": "0" * 16})  # the first version's
+    append_row(str(ledger), {"key": "attention.softmax.seed2", "data_fingerprint": here})
+    append_row(str(ledger), {"key": "attention.softmax.seed3"})  # before any fingerprint
+    study.check_ledger()
+    said = [line for line in capsys.readouterr().out.splitlines() if "not checked against" in line]
+    assert len(said) == 1 and "attention.softmax.seed1 (" in said[0]
+    assert "seed2" not in said[0] and "seed3" not in said[0]
+    append_row(str(ledger), {"key": "attention.softmax.seed4", "data_fingerprint": "1" * 16})
+    with pytest.raises(SystemExit, match="other prepared data.*attention.softmax.seed4"):
+        study.check_ledger()
 
 
 def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
