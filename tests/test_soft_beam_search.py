@@ -122,6 +122,11 @@ def test_topk_bookkeeping_keeps_distinct_beams_where_argmax_can_collapse():
         run(model, sample, d, beam=0)
     with pytest.raises(ValueError, match=r"soft_beam_search: candidates must be 0 \(all\) or >= beam \(3\), got 2"):
         run(model, sample, d, beam=3, candidates=2)
+    with pytest.raises(ValueError, match=r"soft_beam_search: candidates must be 0 \(all\) or >= beam \(3\), got -1"):
+        run(model, sample, d, beam=3, candidates=-1)  # not "all": 0 is
+    with pytest.raises(ValueError, match=r"soft_beam_search: bookkeeping must be one of .*; beam must be >= 1, got 0; "
+                                         r"candidates must be 0 \(all\) or >= beam \(0\), got -2"):
+        run(model, sample, d, beam=0, candidates=-2, bookkeeping="nope")  # every problem at once
 
 
 # -------------------------------------------------------------------------------- gradients -----------

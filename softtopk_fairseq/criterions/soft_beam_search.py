@@ -40,7 +40,8 @@ from fairseq.models import FairseqEncoderDecoderModel
 from fairseq.models.lstm import LSTMModel
 from fairseq.models.transformer import TransformerModelBase
 
-from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS, soft_beam_search
+from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS,
+                                                       search_option_problems, soft_beam_search)
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
@@ -128,6 +129,10 @@ def run_inside_ddp_forward(model, fn):
         del inner.forward
 
 
+# The flags of soft_beam_search's beam and pruning arguments, for the rule they share (search_option_problems).
+SEARCH_FLAGS = {"beam": "--soft-beam-size", "candidates": "--soft-beam-candidates"}
+
+
 def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
     """What is wrong with the criterion's flags, one line each naming the flag, its value and what it must be
     (empty when nothing is): the criterion refuses such a config, and the demo pipeline checks its own soft
@@ -135,16 +140,12 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
     problems = []
     if not 0.0 <= cfg.teacher_forcing_ratio <= 1.0:
         problems.append(f"--teacher-forcing-ratio must be in [0, 1], got {cfg.teacher_forcing_ratio}")
-    if cfg.soft_beam_size < 1:
-        problems.append(f"--soft-beam-size must be >= 1, got {cfg.soft_beam_size}")
+    problems += search_option_problems(cfg.soft_beam_size, cfg.soft_beam_candidates, names=SEARCH_FLAGS)
     for flag, value in (("--soft-topk-epsilon", cfg.soft_topk_epsilon), ("--perturbed-sigma", cfg.perturbed_sigma)):
         if not (math.isfinite(value) and value > 0):
             problems.append(f"{flag} must be a finite number > 0, got {value}")
     if cfg.perturbed_samples < 1:
         problems.append(f"--perturbed-samples must be >= 1, got {cfg.perturbed_samples}")
-    if cfg.soft_beam_candidates < 0 or 0 < cfg.soft_beam_candidates < cfg.soft_beam_size:
-        problems.append(f"--soft-beam-candidates must be 0 (all) or >= --soft-beam-size ({cfg.soft_beam_size}), "
-                        f"got {cfg.soft_beam_candidates}")
     if cfg.ignore_prefix_size > 0:
         problems.append(f"--ignore-prefix-size is not supported (must be 0), got {cfg.ignore_prefix_size}")
     return problems

@@ -25,7 +25,7 @@ Choices this implementation makes (documented, tested):
   candidates would receive (each relaxation's :meth:`Relaxation.pruned_mass`).
 """
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,6 +35,20 @@ from softtopk_fairseq.ops import divide_by_temperature, effective_epsilon, pertu
 
 BOOKKEEPING = ("argmax", "topk")
 PERTURBED_SAMPLES = 16  # default Gaussian draws per step of the "perturbed" relaxation
+# How search_option_problems names the options: soft_beam_search's arguments (the criterion passes its flags).
+ARGUMENT_NAMES = {"beam": "beam", "candidates": "candidates"}
+
+
+def search_option_problems(beam: int, candidates: int, names: Mapping[str, str] = ARGUMENT_NAMES) -> List[str]:
+    """What is wrong with the beam size and the pruning size, one line each naming the option by ``names``, its
+    value and what it must be (empty when nothing is): ``beam >= 1``, and ``candidates`` 0 (all) or at least
+    ``beam`` -- the relaxed top-k of fewer than k candidates has no k ranks to fill."""
+    problems = []
+    if beam < 1:
+        problems.append(f"{names['beam']} must be >= 1, got {beam}")
+    if candidates < 0 or 0 < candidates < beam:
+        problems.append(f"{names['candidates']} must be 0 (all) or >= {names['beam']} ({beam}), got {candidates}")
+    return problems
 
 
 class SoftBeamOutput(NamedTuple):
@@ -364,19 +378,19 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             log-likelihood with ``scaling="none"``, normalised per sentence with ``"paper"`` (for every
             relaxation: the others then use the temperature ``soft_topk`` would). tol, max_iter: passed to
             ``soft_topk``. samples: Gaussian draws per step of ``"perturbed"``.
-        candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all; else >= k).
+        candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all; else >= k;
+            :func:`search_option_problems`).
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
             ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
             one argmax -- duplicate beams; ``"topk"`` keeps k distinct hypotheses. Both agree as eps -> 0.
         encoder_out: ``model.encoder``'s output for ``src_tokens`` when the caller has it already (the
             criterion's teacher-forcing pass); computed here otherwise.
     """
+    problems = search_option_problems(beam, candidates)
     if bookkeeping not in BOOKKEEPING:
-        raise ValueError(f"soft_beam_search: bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
-    if beam < 1:
-        raise ValueError(f"soft_beam_search: beam must be >= 1, got {beam}")
-    if 0 < candidates < beam:  # the relaxed top-k of fewer than k candidates
-        raise ValueError(f"soft_beam_search: candidates must be 0 (all) or >= beam ({beam}), got {candidates}")
+        problems.insert(0, f"bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
+    if problems:
+        raise ValueError("soft_beam_search: " + "; ".join(problems))
     decoder = model.decoder
     embed = getattr(decoder, "embed_tokens", None)
     if embed is None:
