@@ -196,7 +196,8 @@ def test_flags_come_from_the_config_and_absent_ones_get_its_defaults(arch):
     given = {name: value for name, value in vars(args).items() if name.startswith("topk_attn")}
     assert given == {"topk_attn_k": 3, "topk_attn_mode": "hard"}  # no parser defaults: the arch sets them
     ARCH_CONFIG_REGISTRY[arch](args)
-    want = {f.name: f.default for f in fields(config)}
+    want = {f.name: f.default for f in fields(config) if not f.name.startswith("_")}  # _name: fairseq's, no flag
+    assert not hasattr(args, "_name")
     assert {name: getattr(args, name) for name in want} == {**want, "topk_attn_k": 3, "topk_attn_mode": "hard"}
     assert (arch == "transformer_topk_attn") == hasattr(args, "topk_attn_layers")
     with pytest.raises(SystemExit):

@@ -12,15 +12,18 @@ Incremental decoding caches :math:`s` only; the reorder is an ``index_select`` o
 mixes it). ``rnnsearch`` is a small default; ``rnnsearch_wmt14_en_fr`` has the paper's sizes (embeddings 620,
 GRU 1000, alignment 1000, maxout 500).
 """
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from fairseq import utils
+from fairseq.dataclass import FairseqDataclass
 from fairseq.models import (FairseqEncoder, FairseqEncoderDecoderModel, FairseqIncrementalDecoder,
                             register_model, register_model_architecture)
 from torch import Tensor, nn
 
+from softtopk_fairseq.models.flags import add_flags, fill_defaults
 from softtopk_fairseq.modules.additive_attention import AdditiveAttention
 
 DEFAULT_MAX_POSITIONS = 1024
@@ -111,17 +114,24 @@ class RNNSearchDecoder(FairseqIncrementalDecoder):
         return DEFAULT_MAX_POSITIONS
 
 
+@dataclass
+class RNNSearchConfig(FairseqDataclass):
+    """The flags of the ``rnnsearch`` architectures, each help and ``rnnsearch``'s default written once, here."""
+
+    encoder_embed_dim: int = field(default=256, metadata={"help": "source embedding size"})
+    encoder_hidden_size: int = field(default=256, metadata={"help": "GRU size of each direction"})
+    decoder_embed_dim: int = field(default=256, metadata={"help": "target embedding size"})
+    decoder_hidden_size: int = field(default=512, metadata={"help": "decoder GRU size"})
+    attention_dim: int = field(default=256, metadata={"help": "alignment model size"})
+    maxout_dim: int = field(default=256, metadata={"help": "max-out readout size"})
+    dropout: float = field(default=0.2, metadata={"help": "dropout probability"})
+
+
 @register_model("rnnsearch")
 class RNNSearchModel(FairseqEncoderDecoderModel):
     @staticmethod
     def add_args(parser):
-        parser.add_argument("--encoder-embed-dim", type=int, metavar="N", help="source embedding size")
-        parser.add_argument("--encoder-hidden-size", type=int, metavar="N", help="GRU size of each direction")
-        parser.add_argument("--decoder-embed-dim", type=int, metavar="N", help="target embedding size")
-        parser.add_argument("--decoder-hidden-size", type=int, metavar="N", help="decoder GRU size")
-        parser.add_argument("--attention-dim", type=int, metavar="N", help="alignment model size")
-        parser.add_argument("--maxout-dim", type=int, metavar="N", help="max-out readout size")
-        parser.add_argument("--dropout", type=float, metavar="D", help="dropout probability")
+        add_flags(parser, RNNSearchConfig())
 
     @classmethod
     def build_model(cls, args, task):
@@ -135,23 +145,15 @@ class RNNSearchModel(FairseqEncoderDecoderModel):
 
 @register_model_architecture("rnnsearch", "rnnsearch")
 def base_architecture(args):
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_hidden_size = getattr(args, "encoder_hidden_size", 256)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
-    args.decoder_hidden_size = getattr(args, "decoder_hidden_size", 512)
-    args.attention_dim = getattr(args, "attention_dim", 256)
-    args.maxout_dim = getattr(args, "maxout_dim", 256)
-    args.dropout = getattr(args, "dropout", 0.2)
+    fill_defaults(args, RNNSearchConfig())
+
+
+# Bahdanau et al. (2014)'s sizes, as in the paper's WMT14 en-fr experiment.
+WMT14_EN_FR = RNNSearchConfig(encoder_embed_dim=620, encoder_hidden_size=1000, decoder_embed_dim=620,
+                              decoder_hidden_size=1000, attention_dim=1000, maxout_dim=500, dropout=0.0)
 
 
 @register_model_architecture("rnnsearch", "rnnsearch_wmt14_en_fr")
 def rnnsearch_wmt14_en_fr(args):
-    """Bahdanau et al. (2014) RNNsearch sizes, as in the paper's WMT14 en-fr experiment."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 620)
-    args.encoder_hidden_size = getattr(args, "encoder_hidden_size", 1000)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 620)
-    args.decoder_hidden_size = getattr(args, "decoder_hidden_size", 1000)
-    args.attention_dim = getattr(args, "attention_dim", 1000)
-    args.maxout_dim = getattr(args, "maxout_dim", 500)
-    args.dropout = getattr(args, "dropout", 0.0)
-    base_architecture(args)
+    """Bahdanau et al. (2014) RNNsearch sizes, as in the paper's WMT14 en-fr experiment (:data:`WMT14_EN_FR`)."""
+    fill_defaults(args, WMT14_EN_FR)

@@ -18,12 +18,11 @@ Flags (all architectures):
 * transformer only: ``--topk-attn-layers`` which attentions use it, a comma list of ``encoder-decoder``
   (default), ``decoder-self``, ``encoder-self``.
 """
-from dataclasses import dataclass, field, fields
-from typing import Optional, Type
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.lstm import AttentionLayer, LSTMModel
 from fairseq.models.lstm import base_architecture as lstm_base_architecture
@@ -34,6 +33,7 @@ from fairseq.models.transformer import (transformer_iwslt_de_en, transformer_vas
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
+from softtopk_fairseq.models.flags import add_flags, fill_defaults
 from softtopk_fairseq.models.rnnsearch import RNNSearchModel
 from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
 from softtopk_fairseq.models.rnnsearch import rnnsearch_wmt14_en_fr
@@ -131,19 +131,6 @@ class TransformerTopkAttentionConfig(TopkAttentionConfig):
                                                      f"{', '.join(ATTENTION_KINDS)}"})
 
 
-def add_topk_args(parser, config: Type[TopkAttentionConfig]):
-    # No defaults in the parser (fairseq's convention for model flags): the architecture functions set them,
-    # so that a checkpoint's saved arguments keep their values.
-    gen_parser_from_dataclass(parser, config(), delete_default=True)
-
-
-def topk_defaults(args, config: Type[TopkAttentionConfig]):
-    """The default of every flag of ``config`` that ``args`` lacks."""
-    for flag in fields(config):
-        if not hasattr(args, flag.name):
-            setattr(args, flag.name, flag.default)
-
-
 def topk_options(args):
     return dict(k=args.topk_attn_k, epsilon=args.topk_attn_epsilon, mode=str(args.topk_attn_mode),
                 inference=str(args.topk_attn_inference), samples=args.topk_attn_samples)
@@ -154,7 +141,7 @@ class TransformerTopkAttnModel(TransformerModel):
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)
-        add_topk_args(parser, TransformerTopkAttentionConfig)
+        add_flags(parser, TransformerTopkAttentionConfig())
 
     @classmethod
     def build_model(cls, args, task):
@@ -177,25 +164,25 @@ class TransformerTopkAttnModel(TransformerModel):
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn")
 def transformer_topk_attn(args):
-    topk_defaults(args, TransformerTopkAttentionConfig)
+    fill_defaults(args, TransformerTopkAttentionConfig())
     transformer_base_architecture(args)
 
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn_iwslt_de_en")
 def transformer_topk_attn_iwslt_de_en(args):
-    topk_defaults(args, TransformerTopkAttentionConfig)
+    fill_defaults(args, TransformerTopkAttentionConfig())
     transformer_iwslt_de_en(args)
 
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn_wmt_en_de")
 def transformer_topk_attn_wmt_en_de(args):
-    topk_defaults(args, TransformerTopkAttentionConfig)
+    fill_defaults(args, TransformerTopkAttentionConfig())
     transformer_wmt_en_de(args)
 
 
 @register_model_architecture("transformer_topk_attn", "transformer_topk_attn_vaswani_wmt_en_de_big")
 def transformer_topk_attn_vaswani_wmt_en_de_big(args):
-    topk_defaults(args, TransformerTopkAttentionConfig)
+    fill_defaults(args, TransformerTopkAttentionConfig())
     transformer_vaswani_wmt_en_de_big(args)
 
 
@@ -204,7 +191,7 @@ class LSTMTopkAttnModel(LSTMModel):
     @staticmethod
     def add_args(parser):
         LSTMModel.add_args(parser)
-        add_topk_args(parser, TopkAttentionConfig)
+        add_flags(parser, TopkAttentionConfig())
 
     @classmethod
     def build_model(cls, args, task):
@@ -217,7 +204,7 @@ class LSTMTopkAttnModel(LSTMModel):
 
 @register_model_architecture("lstm_topk_attn", "lstm_topk_attn")
 def lstm_topk_attn(args):
-    topk_defaults(args, TopkAttentionConfig)
+    fill_defaults(args, TopkAttentionConfig())
     lstm_base_architecture(args)
 
 
@@ -226,7 +213,7 @@ class RNNSearchTopkAttnModel(RNNSearchModel):
     @staticmethod
     def add_args(parser):
         RNNSearchModel.add_args(parser)
-        add_topk_args(parser, TopkAttentionConfig)
+        add_flags(parser, TopkAttentionConfig())
 
     @classmethod
     def build_model(cls, args, task):
@@ -237,11 +224,11 @@ class RNNSearchTopkAttnModel(RNNSearchModel):
 
 @register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn")
 def rnnsearch_topk_attn(args):
-    topk_defaults(args, TopkAttentionConfig)
+    fill_defaults(args, TopkAttentionConfig())
     rnnsearch_base_architecture(args)
 
 
 @register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn_wmt14_en_fr")
 def rnnsearch_topk_attn_wmt14_en_fr(args):
-    topk_defaults(args, TopkAttentionConfig)
+    fill_defaults(args, TopkAttentionConfig())
     rnnsearch_wmt14_en_fr(args)
