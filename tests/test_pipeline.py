@@ -37,6 +37,29 @@ def _tiny_config(tmp_path, **kw):
     return run.parse_args(args)
 
 
+def test_every_option_is_a_flag_with_its_config_default_shown_by_help(capsys):
+    """One flag per Config field, its default the field's (written once) and shown by --help; lists take
+    several values; a bad choice is refused by the parser."""
+    defaults = run.parse_args(["--workdir", "w"])
+    for f in dataclasses.fields(run.Config):
+        if f.name != "workdir":
+            want = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            assert getattr(defaults, f.name) == want and type(getattr(defaults, f.name)) is type(want), f.name
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(run.Config):
+        assert f"--{f.name.replace('_', '-')} " in shown, f.name
+    for flag_and_default in ("--toy-sizes TRAIN VALID TEST sentence pairs per split of the generated toy corpus "
+                             "(default: 20000 500 500)", "(default: 0.001)", "(default: paper)",
+                             "beam sizes to evaluate (default: 1 5)"):
+        assert flag_and_default in shown
+    given = run.parse_args(["--workdir", "w", "--beams", "3", "7", "--lr", "0.5", "--soft-topk-scaling", "none"])
+    assert (given.beams, given.lr, given.soft_topk_scaling) == ([3, 7], 0.5, "none")
+    with pytest.raises(SystemExit):
+        run.parse_args(["--soft-topk-scaling", "nats"])
+
+
 @pytest.mark.parametrize("bpe,arch", [("subword_nmt", "transformer"), ("sentencepiece", "lstm")])
 def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch, capsys):
     rows = run.run_pipeline(_tiny_config(tmp_path, bpe=bpe, arch=arch))

@@ -26,10 +26,11 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import softtopk_fairseq
+from softtopk_fairseq.ops.soft_topk import SCALINGS
 from softtopk_fairseq.pipeline import text, toy_corpus, trained, workdir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,36 +71,51 @@ ARCH_ARGS: Dict[str, Dict[str, List[str]]] = {
 KEEP_LAST_BATCH = ["--required-batch-size-multiple", "1"]
 
 
+def option(default=MISSING, *, default_factory=MISSING, help: Optional[str] = None, **argparse_options):
+    """A :class:`Config` field and its command-line flag: the default written once, here; ``help`` and any other
+    argparse options (``choices``, ``nargs``, ``metavar``, ``type``) for :func:`parse_args`."""
+    return field(default=default, default_factory=default_factory, metadata=dict(argparse_options, help=help))
+
+
 @dataclass
 class Config:
-    workdir: str
-    src: str = "en"
-    tgt: str = "fr"
-    train: Optional[str] = None  # prefixes of raw text files: PREFIX.src / PREFIX.tgt
-    valid: Optional[str] = None
-    test: Optional[str] = None
-    toy_sizes: List[int] = field(default_factory=lambda: [20000, 500, 500])
-    max_lines: int = 0  # cap on training lines (0 = all)
-    bpe: str = "subword_nmt"
-    bpe_size: int = 1000
-    arch: str = "transformer"
-    size: str = "demo"
-    max_update: int = 600
-    max_tokens: int = 4096
-    lr: float = 1e-3
-    warmup: int = 200
-    beams: List[int] = field(default_factory=lambda: [1, 5])
-    seed: int = 1
-    threads: int = 0  # torch threads per fairseq process (0 = torch's default)
-    finetune_updates: int = 100  # 0 = no fine-tuning runs
-    finetune_lr: float = 1e-4
-    teacher_forcing_ratio: float = 0.8
-    soft_beam_size: int = 5
-    soft_topk_epsilon: float = 0.1
-    soft_topk_scaling: str = "paper"
-    soft_beam_candidates: int = 50
-    topk_attn_k: int = 4
-    topk_attn_epsilon: float = 0.1
+    """The pipeline's options; :func:`parse_args` makes one flag of each field (``--toy-sizes`` for
+    ``toy_sizes``) with the field's default."""
+
+    workdir: str = option(help="where data, checkpoints, logs and results.md go (default: work/demo in the clone, or "
+                               "in the current directory when the package is installed)")
+    src: str = option("en", help="source language: the suffix of the raw files (PREFIX.SRC)")
+    tgt: str = option("fr", help="target language: the suffix of the raw files (PREFIX.TGT)")
+    train: Optional[str] = option(None, help="prefix of raw training text (PREFIX.SRC, PREFIX.TGT; default: the "
+                                             "generated toy corpus)")
+    valid: Optional[str] = option(None, help="prefix of raw validation text")
+    test: Optional[str] = option(None, help="prefix of raw test text")
+    toy_sizes: List[int] = option(default_factory=lambda: [20000, 500, 500], nargs=3,
+                                  metavar=("TRAIN", "VALID", "TEST"),
+                                  help="sentence pairs per split of the generated toy corpus")
+    max_lines: int = option(0, help="use only the first N training lines (0: all)")
+    bpe: str = option("subword_nmt", choices=text.BPE_METHODS, help="BPE back-end")
+    bpe_size: int = option(1000, help="merges (subword-nmt) or vocabulary size (sentencepiece)")
+    arch: str = option("transformer", choices=sorted(ARCH_ARGS), help="model architecture")
+    size: str = option("demo", choices=["demo", "tiny"], help="model size preset")
+    max_update: int = option(600, help="updates of the teacher-forcing training")
+    max_tokens: int = option(4096, help="tokens per batch of every training")
+    lr: float = option(1e-3, help="peak learning rate of the teacher-forcing training (inverse-sqrt schedule)")
+    warmup: int = option(200, help="warm-up updates of that schedule")
+    beams: List[int] = option(default_factory=lambda: [1, 5], nargs="+", help="beam sizes to evaluate")
+    seed: int = option(1, help="random seed of the toy corpus and of every training")
+    threads: int = option(0, help="OMP threads per fairseq process (0: default)")
+    finetune_updates: int = option(100, help="updates of each fine-tuning run from the teacher-forcing checkpoint "
+                                             "(0: skip)")
+    finetune_lr: float = option(1e-4, help="constant learning rate of the fine-tuning")
+    teacher_forcing_ratio: float = option(0.8, help="rho of the soft beam search run")
+    soft_beam_size: int = option(5, help="beam size of the soft beam search run")
+    soft_topk_epsilon: float = option(0.1, help="its SOFT top-k temperature")
+    soft_topk_scaling: str = option("paper", choices=SCALINGS, help="normalisation of the soft beam search's OT "
+                                                                    "cost (see --soft-topk-scaling of the criterion)")
+    soft_beam_candidates: int = option(50, help="candidates kept per sentence before the soft top-k (0: all k*V)")
+    topk_attn_k: int = option(4, help="keys per query of the top-k attention run")
+    topk_attn_epsilon: float = option(0.1, help="its SOFT top-k temperature")
 
 
 class Stage:
@@ -498,44 +514,22 @@ def _default_workdir() -> str:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> Config:
+    """The :class:`Config` of a command line: one flag per field, its default (shown by ``--help``) the field's."""
     p = argparse.ArgumentParser(prog="python -m softtopk_fairseq.pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default=_default_workdir(),
-                   help="where data, checkpoints, logs and results.md go (default: work/demo in the clone, or "
-                        "in the current directory when the package is installed)")
-    p.add_argument("--src", default="en")
-    p.add_argument("--tgt", default="fr")
-    p.add_argument("--train", help="prefix of raw training text (PREFIX.SRC, PREFIX.TGT); default: toy corpus")
-    p.add_argument("--valid", help="prefix of raw validation text")
-    p.add_argument("--test", help="prefix of raw test text")
-    p.add_argument("--toy-sizes", type=int, nargs=3, default=[20000, 500, 500], metavar=("TRAIN", "VALID", "TEST"),
-                   help="sentence pairs per split of the generated toy corpus")
-    p.add_argument("--max-lines", type=int, default=0, help="use only the first N training lines (0: all)")
-    p.add_argument("--bpe", choices=text.BPE_METHODS, default="subword_nmt")
-    p.add_argument("--bpe-size", type=int, default=1000, help="merges (subword-nmt) or vocabulary size (sentencepiece)")
-    p.add_argument("--arch", choices=sorted(ARCH_ARGS), default="transformer")
-    p.add_argument("--size", choices=["demo", "tiny"], default="demo", help="model size preset")
-    p.add_argument("--max-update", type=int, default=600)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="beam sizes to evaluate")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--threads", type=int, default=0, help="OMP threads per fairseq process (0: default)")
-    p.add_argument("--finetune-updates", type=int, default=100,
-                   help="updates of each fine-tuning run from the teacher-forcing checkpoint (0: skip)")
-    p.add_argument("--finetune-lr", type=float, default=1e-4, help="constant learning rate of the fine-tuning")
-    p.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="rho of the soft beam search run")
-    p.add_argument("--soft-beam-size", type=int, default=5)
-    p.add_argument("--soft-topk-epsilon", type=float, default=0.1)
-    p.add_argument("--soft-topk-scaling", choices=["paper", "none"], default="paper",
-                   help="normalisation of the soft beam search's OT cost (see --soft-topk-scaling of the criterion)")
-    p.add_argument("--soft-beam-candidates", type=int, default=50,
-                   help="candidates kept per sentence before the soft top-k (0: all k*V)")
-    p.add_argument("--topk-attn-k", type=int, default=4, help="keys per query of the top-k attention run")
-    p.add_argument("--topk-attn-epsilon", type=float, default=0.1, help="its SOFT top-k temperature")
-    args = p.parse_args(argv)
-    return Config(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    for f in fields(Config):
+        options = dict(f.metadata)
+        if f.name == "workdir":  # where the package is: known only when the command runs
+            default = _default_workdir()
+        else:
+            default = f.default_factory() if f.default is MISSING else f.default
+            if default is not None:
+                shown = " ".join(map(str, default)) if isinstance(default, list) else default
+                options["help"] += f" (default: {shown})"
+        value = default[0] if isinstance(default, list) else default
+        options.setdefault("type", str if value is None else type(value))
+        p.add_argument("--" + f.name.replace("_", "-"), default=default, **options)
+    return Config(**vars(p.parse_args(argv)))
 
 
 SUBCOMMANDS = ("translate", "score")  # using a finished workdir (trained.py); anything else runs the pipeline
