@@ -153,6 +153,11 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
+    """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
+    (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
+    base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
+    iterations and a bound on its largest marginal error) and ``pruned_mass``."""
+
     def __init__(self, task, cfg: SoftBeamSearchConfig):
         """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a
         :class:`SoftBeamSearchConfig`, whose fields hold the defaults (``sentence_avg`` has none there: fairseq

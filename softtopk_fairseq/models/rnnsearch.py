@@ -30,6 +30,10 @@ DEFAULT_MAX_POSITIONS = 1024
 
 
 class RNNSearchEncoder(FairseqEncoder):
+    r"""Bidirectional GRU over the source embeddings: the annotations :math:`h_j = [\vec h_j; \overleftarrow h_j]`
+    (``annotations``, B x S x 2H), the padding mask and :math:`\overleftarrow h_1` (``backward_first``, the
+    decoder's initial state's input)."""
+
     def __init__(self, dictionary, embed_dim, hidden_size, dropout):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
@@ -59,6 +63,10 @@ class RNNSearchEncoder(FairseqEncoder):
 
 
 class RNNSearchDecoder(FairseqIncrementalDecoder):
+    r"""GRU decoder with additive attention and a max-out readout (the module docstring's equations); the
+    incremental state is :math:`s` alone, so a beam reorder -- hard or the soft beam search's mixing -- is one
+    ``index_select`` on it."""
+
     def __init__(self, dictionary, embed_dim, hidden_size, context_dim, attention_dim, maxout_dim, dropout):
         super().__init__(dictionary)
         self.embed_tokens = nn.Embedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
