@@ -71,7 +71,7 @@ ARCH_ARGS: Dict[str, Dict[str, List[str]]] = {
 KEEP_LAST_BATCH = ["--required-batch-size-multiple", "1"]
 
 
-def option(default=MISSING, *, default_factory=MISSING, help: Optional[str] = None, **argparse_options):
+def option(default=MISSING, *, help: str, default_factory=MISSING, **argparse_options):
     """A :class:`Config` field and its command-line flag: the default written once, here; ``help`` and any other
     argparse options (``choices``, ``nargs``, ``metavar``, ``type``) for :func:`parse_args`."""
     return field(default=default, default_factory=default_factory, metadata=dict(argparse_options, help=help))
