@@ -157,12 +157,19 @@ def test_bad_scores_raise_the_same_error_on_every_backend(backend, sorted):
 def test_scores_too_large_for_the_paper_scaling_raise_instead_of_nan(backend, sorted, row):
     """Past |x| ~ 1.8e19 the paper scaling's temperature overflows float32 (the cost squares the scores): it is
     +inf, every normalised score 0 -- the limit, a uniform output, as at 1e30 --, unless the row's range itself
-    overflows (x - centre = inf: inf / inf = NaN). There every backend raises, naming the cause and the fix."""
+    overflows (x - centre = inf: inf / inf = NaN). There every backend raises, naming the cause and the fix. Before
+that, the temperature's slope (epsilon x) can overflow too: the gradient stays finite."""
     warnings.simplefilter("ignore", RuntimeWarning)  # overflowing scores are the input here (pytest restores)
     x = torch.randn(33, 6, device=_device(backend))
     x[row, 3] = 1e30
     out = soft_topk(x, 2, sorted=sorted, scaling="paper", backend=backend)
     assert bool(torch.isfinite(out).all())
+    # d eps / d x = epsilon x overflows too (dL/deps = 0 at an infinite temperature): the gradient is no 0 * inf.
+    x[row, 3] = 1e37
+    xg = x.clone().requires_grad_()
+    out = soft_topk(xg, 2, sorted=sorted, scaling="paper", epsilon=100.0, backend=backend)
+    (out * torch.randn_like(out)).sum().backward()
+    assert bool(torch.isfinite(xg.grad).all())
     x[row, 4] = -3e38
     x[row, 3] = 3e38
     with pytest.raises(ValueError, match="scores too large for scaling='paper'.*scaling='none'"):

@@ -269,6 +269,27 @@ def test_every_operator_refuses_bad_arguments_by_one_rule(op, temperature, bad, 
            **{temperature: kwargs["temperature"]})
 
 
+@pytest.mark.parametrize("op, largest", [(soft_topk, True), (soft_topk, False), (softmax_k_times, True),
+                                         (perturbed_topk, True), (perturbed_topk, False)])  # smk: largest only
+def test_every_operator_refuses_nan_and_a_selected_infinity_unless_masked_by_one_rule(op, largest):
+    """NaN scores and an infinity on the selected side are refused by all three operators with the same words
+    (ops/arguments.py), a NaN even under the mask; a masked infinity is excluded, as the error advises ("use
+    mask=False to exclude") -- perturbed_topk once refused it anyway, softmax_k_times let +inf through to NaN
+    gradients."""
+    kwargs = {} if op is softmax_k_times else dict(largest=largest)
+    inf = torch.inf if largest else -torch.inf
+    x = torch.tensor([[1.0, inf, 2.0, 3.0]])
+    keep = torch.tensor([[True, False, True, True]])
+    with pytest.raises(ValueError, match=f"{op.__name__}: scores contain an infinity on the selected side"):
+        op(x, 2, **kwargs)
+    out = op(x, 2, mask=keep, **kwargs)
+    assert bool(torch.isfinite(out).all()) and float(out[0, 1].abs().sum()) == 0
+    nan = torch.tensor([[1.0, torch.nan, 2.0, 3.0]])
+    for mask in (None, keep):
+        with pytest.raises(ValueError, match=f"{op.__name__}: scores contain NaN"):
+            op(nan, 2, mask=mask, **kwargs)
+
+
 def test_warns_when_iteration_cap_is_hit():
     torch.manual_seed(10)
     x = torch.randn(2, 50, dtype=f64)

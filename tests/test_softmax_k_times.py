@@ -89,6 +89,30 @@ def test_divide_by_temperature_gradients_and_a_temperature_whose_square_underflo
     assert bool(torch.isfinite(x32.grad).all()) and float(x32.grad.abs().max()) == 0
 
 
+def test_scores_far_apart_saturate_the_softmaxes_instead_of_nan():
+    """x / T beyond float32's range: the largest scores once overflowed to +inf (a NaN softmax), the paper
+    temperature's infinite limit to inf / inf, and its overflowing slope to a NaN gradient. Now the softmaxes
+    saturate -- one-hot ranks in order --, an infinite temperature gives its limit (uniform softmaxes), and the
+    gradients are finite."""
+    x = torch.tensor([[1e30, 2e30, 0.0, 1.0], [200.0, 100.0, -1e30, 0.0]], requires_grad=True)
+    for epsilon in (0.1, 1e-30):
+        A = softmax_k_times(x, 2, epsilon=epsilon)
+        expected = torch.zeros(2, 4, 2)
+        expected[0, 1, 0] = expected[0, 0, 1] = expected[1, 0, 0] = expected[1, 1, 1] = 1.0
+        assert torch.equal(A.detach(), expected)
+        (A * torch.randn(A.shape)).sum().backward()
+        assert bool(torch.isfinite(x.grad).all())
+        x.grad = None
+    y = torch.tensor([[3e38, -3e38, 0.0]], requires_grad=True)  # cost and range overflow: T = inf
+    A = softmax_k_times(y, 2, epsilon=0.1, scaling="paper")
+    torch.testing.assert_close(A.detach(), torch.tensor([[[1 / 3, 0.0], [1 / 3, 0.5], [1 / 3, 0.5]]]))
+    (A * torch.randn(A.shape)).sum().backward()
+    z = torch.tensor([[1e37, 0.0, 1.0]], requires_grad=True)  # d T / d z = epsilon z overflows
+    B = softmax_k_times(z, 2, epsilon=100.0, scaling="paper")
+    (B * torch.randn(B.shape)).sum().backward()
+    assert bool(torch.isfinite(y.grad).all()) and bool(torch.isfinite(z.grad).all())
+
+
 def test_masked_and_minus_inf_entries_get_zero_and_short_rows_zero_columns():
     x = torch.tensor([[1.0, -torch.inf, 0.5, 2.0], [0.3, -torch.inf, -torch.inf, -torch.inf],
                       [-torch.inf] * 4], requires_grad=True)
@@ -107,6 +131,7 @@ def test_masked_and_minus_inf_entries_get_zero_and_short_rows_zero_columns():
 
 @pytest.mark.parametrize("call, match", [
     (lambda: softmax_k_times(torch.tensor([1.0, float("nan")]), 1), "NaN"),
+    (lambda: softmax_k_times(torch.tensor([1.0, float("inf")]), 1), "infinity on the selected side"),
     (lambda: softmax_k_times(torch.randn(3), 4), "k=4"),
     (lambda: softmax_k_times(torch.randn(3), 1, epsilon=0.0), "epsilon"),
     (lambda: softmax_k_times(torch.randn(3), 1, scaling="log"), "scaling"),

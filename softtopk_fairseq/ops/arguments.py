@@ -1,7 +1,9 @@
 """The arguments the relaxed top-k operators share -- the scores, ``k``, ``dim``, the temperature and a mask --
 checked by one rule for all of them (``soft_topk``, ``softmax_k_times``, ``perturbed_topk``): each error names
 the operator, the bad value and what is allowed. What only one operator takes (its scaling, method, backend,
-samples) it checks itself."""
+samples) it checks itself. The scores' values follow one rule too: a NaN, or an infinity on the selected side,
+is refused (only ``-inf`` -- ``+inf`` with ``largest=False`` -- marks an excluded entry); ``soft_topk``'s fused
+kernels report them in their status bits, the others call :func:`check_score_values`."""
 import math
 from typing import Optional
 
@@ -46,3 +48,26 @@ def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
         if not fits:
             raise ValueError(f"{op}: mask of shape {tuple(mask.shape)} does not broadcast to scores "
                              f"of shape {tuple(scores.shape)}")
+
+
+def nan_scores(op: str) -> str:
+    """The error message for NaN scores."""
+    return f"{op}: scores contain NaN"
+
+
+def selected_infinity(op: str) -> str:
+    """The error message for an infinity on the selected side: only ``-inf`` (``+inf`` with ``largest=False``)
+    marks an excluded entry."""
+    return (f"{op}: scores contain an infinity on the selected side (+inf with largest=True, -inf with "
+            f"largest=False); use mask=False to exclude")
+
+
+def check_score_values(op: str, scores: Tensor, largest: bool = True, mask: Optional[Tensor] = None) -> None:
+    """Raise ValueError if ``scores`` hold a NaN (anywhere: a masked NaN still means a broken model) or an
+    infinity on the selected side where ``mask`` (broadcast to the scores) keeps the entry -- as the error says,
+    ``mask=False`` excludes it. One synchronisation when the scores are fine."""
+    selected_inf = scores == (torch.inf if largest else -torch.inf)
+    if mask is not None:
+        selected_inf = selected_inf & mask
+    if bool((torch.isnan(scores) | selected_inf).any()):
+        raise ValueError(nan_scores(op) if bool(torch.isnan(scores).any()) else selected_infinity(op))

@@ -31,13 +31,12 @@ from torch import Tensor
 
 from softtopk_fairseq.ops import backward as implicit_backward
 from softtopk_fairseq.ops import cpu_kernels, solvers
+from softtopk_fairseq.ops.arguments import nan_scores, selected_infinity
 from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, BAD_SCALE
 
 NAMES = ("auto", "torch", "triton", "cpu")
-NAN_SCORES = "soft_topk: scores contain NaN"
-# Only -inf (largest=True) / +inf (largest=False) marks an excluded entry.
-INF_SCORES = ("soft_topk: scores contain an infinity on the selected side (+inf with largest=True, -inf with "
-              "largest=False); use mask=False to exclude")
+NAN_SCORES = nan_scores("soft_topk")
+INF_SCORES = selected_infinity("soft_topk")
 BAD_TEMPERATURE = ("soft_topk: scores too large for scaling='paper' in float32: the temperature (epsilon * max "
                    "cost / 2, the cost squares the scores) is infinite and the scores' range overflows, so the "
                    "normalised scores would be NaN; rescale the scores or use scaling='none'")

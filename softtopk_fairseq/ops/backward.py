@@ -74,3 +74,11 @@ def temperature_grad(grad_x: Tensor, x: Tensor, valid: Tensor, eps: Tensor) -> T
         xc = xc - xc.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
         xc = torch.where(valid, xc, torch.zeros_like(xc))
     return -torch.linalg.vecdot(grad_x, xc) / eps
+
+
+def paper_temperature_grad(grad_eps: Tensor, slope: Tensor) -> Tensor:
+    """dL/dx (rows,) at the entry where the paper scaling's maximal cost sits: ``dL/deps * d eps / d x``. Where
+    ``eps = epsilon * M / 2`` overflowed to ``inf`` its slope may too, while ``dL/deps`` is 0 there (the output
+    no longer moves with it): the slope is clamped to the float range so that ``0 * inf`` is 0, not NaN."""
+    largest = torch.finfo(slope.dtype).max
+    return grad_eps * slope.clamp(-largest, largest)

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops.arguments import check_selection
+from softtopk_fairseq.ops.arguments import check_score_values, check_selection
 
 
 def _hard_topk(z: Tensor, valid: Tensor, k: int, sorted: bool) -> Tensor:
@@ -100,6 +100,7 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = 0.1,
     check_selection("perturbed_topk", scores, k, dim, "sigma", sigma, mask)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"perturbed_topk: samples must be an int >= 1, got {samples!r}")
+    check_score_values("perturbed_topk", scores, largest, mask)
     dim = dim % scores.dim()
     n = scores.shape[dim]
     compute = torch.float64 if scores.dtype == torch.float64 else torch.float32
@@ -107,11 +108,6 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = 0.1,
     batch_shape = x.shape[:-1]
     x = x.reshape(-1, n)
     excluded = -torch.inf if largest else torch.inf
-    if bool(torch.isnan(x).any()):
-        raise ValueError("perturbed_topk: scores contain NaN")
-    if bool((x == -excluded).any()):
-        raise ValueError("perturbed_topk: scores contain an infinity on the selected side "
-                         "(+inf with largest=True, -inf with largest=False); use mask=False to exclude")
     valid = x != excluded
     if mask is not None:
         valid = valid & mask.expand(scores.shape).movedim(dim, -1).reshape(-1, n)

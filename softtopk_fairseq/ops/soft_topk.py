@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from softtopk_fairseq.ops import backends
+from softtopk_fairseq.ops import backward as implicit_backward
 from softtopk_fairseq.ops.arguments import check_selection
 
 METHODS = ("newton", "sinkhorn")
@@ -153,7 +154,8 @@ class _SoftTopKEager(torch.autograd.Function):
         grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted, ctx.backend,
                                       paper)
         if paper:
-            grad_x.scatter_add_(-1, at.unsqueeze(-1), (grad_eps * slope).unsqueeze(-1))
+            grad_x.scatter_add_(-1, at.unsqueeze(-1), implicit_backward.paper_temperature_grad(grad_eps, slope)
+                                .unsqueeze(-1))
         return grad_x, None, None, None, None, None, None, None, None, None
 
 
@@ -216,7 +218,8 @@ class _PaperTemperature(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_eps):
         at, slope = ctx.saved_tensors
-        grad_x = grad_eps.new_zeros(ctx.shape).scatter_(-1, at.unsqueeze(-1), (grad_eps * slope).unsqueeze(-1))
+        grad_at = implicit_backward.paper_temperature_grad(grad_eps, slope)
+        grad_x = grad_eps.new_zeros(ctx.shape).scatter_(-1, at.unsqueeze(-1), grad_at.unsqueeze(-1))
         return grad_x, None, None, None, None
 
 
@@ -252,7 +255,8 @@ class _DivideByTemperature(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, temperature: Tensor, valid: Tensor) -> Tensor:
-        scaled = torch.where(valid, x / temperature.unsqueeze(-1), -torch.inf)
+        largest = torch.finfo(x.dtype).max
+        scaled = torch.where(valid, (x / temperature.unsqueeze(-1)).clamp(-largest, largest), -torch.inf)
         ctx.save_for_backward(scaled, temperature, valid)
         return scaled
 
@@ -271,8 +275,11 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
     differentiable in both; entries not ``valid`` (default: the ``-inf`` ones, the op's rule,
     ``backends.valid_entries``) are ``-inf`` with zero gradient. A NaN score stays NaN, for the relaxation it is
     handed to to refuse (it is not an excluded entry: that would hide a broken model). Safe where the naive
-    division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is ``inf * 0 = NaN``), and
-    ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2`` underflows. For
+    division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is ``inf * 0 = NaN``),
+    ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2`` underflows, and a finite
+    score whose quotient leaves the float range is clamped to +-``finfo.max`` (a valid entry stays one -- an
+    overflow to ``+inf`` would read as a bad score, to ``-inf`` as an excluded one -- and a zero ``dL/du`` there
+    is no ``0 * inf``); the gradient is that of ``x / T`` throughout. For
     relaxations that take the temperature as a division of the scores (softmax-k-times, the perturbed top-k at
     ``sigma = 1``)."""
     if valid is None:
@@ -295,7 +302,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     r"""Differentiable top-k indicator of ``scores`` along ``dim`` (see the module docstring for the math).
 
     Args:
-        scores: float tensor, any shape; ``-inf`` entries are excluded.
+        scores: float tensor, any shape; ``-inf`` entries are excluded (``+inf`` with ``largest=False``); a NaN,
+            or an infinity on the selected side that ``mask`` keeps, is refused (``ops.arguments``).
         k: number of elements to select, ``1 <= k <= scores.shape[dim]``.
         dim: dimension to select along.
         epsilon: entropic temperature, in the units of ``scores`` (``scaling="none"``).

@@ -8,7 +8,8 @@ Rank ``l`` is a softmax over the scores with the hard top-``l`` entries removed:
 
 so every rank column sums to 1, but unlike the OT operator the rows need not sum to at most 1 (an element can
 be counted at several ranks). The removal set is hard (no gradient flows through which entries were
-removed); the gradient flows through the softmaxes. ``-inf`` scores and ``mask == False`` entries get 0.
+removed); the gradient flows through the softmaxes. ``-inf`` scores and ``mask == False`` entries get 0; NaN
+and ``+inf`` scores are refused, as by the other relaxations.
 
 With ``scaling="paper"`` the temperature ``T`` of a row is the one ``soft_topk(..., sorted=True,
 scaling="paper")`` uses at the same ``epsilon`` (``epsilon * max_cost / 2``, see
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops.arguments import check_selection
+from softtopk_fairseq.ops.arguments import check_score_values, check_selection
 from softtopk_fairseq.ops.backends import valid_entries
 from softtopk_fairseq.ops.soft_topk import SCALINGS, divide_by_temperature, effective_epsilon
 
@@ -37,22 +38,28 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0
     check_selection("softmax_k_times", scores, k, dim, "epsilon", epsilon, mask)
     if scaling not in SCALINGS:
         raise ValueError(f"softmax_k_times: scaling must be one of {SCALINGS}, got {scaling!r}")
-    if bool(torch.isnan(scores).any()):
-        raise ValueError("softmax_k_times: scores contain NaN")
+    check_score_values("softmax_k_times", scores, mask=mask)
     dim = dim % scores.dim()
     x = scores.movedim(dim, -1)
     valid = valid_entries(x, None if mask is None else mask.expand(scores.shape).movedim(dim, -1))
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     T = effective_epsilon(compute, k, epsilon=epsilon, sorted=True, scaling=scaling, mask=valid)
-    logits = divide_by_temperature(compute, T, valid)
-    top = torch.topk(logits.detach(), k, dim=-1).indices
-    removed = torch.zeros_like(valid)
+    order = torch.topk(torch.where(valid, compute, -torch.inf).detach(), k, dim=-1)
+    lowest = torch.finfo(compute.dtype).min
+    left = valid.clone()  # the valid entries not among the hard top-rank yet
     cols = []
     for rank in range(k):
-        masked = logits.masked_fill(removed, -torch.inf)
-        alive = (masked > -torch.inf).any(-1, keepdim=True)
+        # A softmax is unchanged by a shift of its row (at any T, so are its gradients): from the largest score
+        # left, the (rank + 1)-th of the row, its logits are <= 0 -- a large score over a small T saturates
+        # the softmax instead of overflowing to inf (NaN), and the runner-up keeps its distance. A distance
+        # beyond the float range is clamped to it (-inf over an infinite T would be NaN); such an entry is out
+        # of the softmax at any finite T anyway.
+        largest_left = order.values[..., rank:rank + 1]
+        shift = torch.where(largest_left > -torch.inf, largest_left, 0.0)
+        logits = divide_by_temperature((compute - shift).clamp_min(lowest), T, left)
         # A rank with no entry left (n_valid <= rank) is an all-zero column, not softmax(-inf...) = NaN.
-        safe = torch.where(alive, masked, torch.zeros_like(masked))
-        cols.append(torch.where(alive & ~removed & valid, torch.softmax(safe, -1), torch.zeros_like(safe)))
-        removed = removed.scatter(-1, top[..., rank:rank + 1], True)
+        alive = left.any(-1, keepdim=True)
+        safe = torch.where(alive, logits, torch.zeros_like(logits))
+        cols.append(torch.where(left, torch.softmax(safe, -1), torch.zeros_like(safe)))
+        left = left.scatter(-1, order.indices[..., rank:rank + 1], False)
     return torch.stack(cols, -1).to(scores.dtype).movedim(-2, dim)
