@@ -44,3 +44,30 @@ def test_add_args_lists_each_rnnsearch_flag_with_its_help_and_no_parser_default(
         assert f"{flag} " in text and words in text
     assert vars(parser.parse_args([])) == {}  # the architecture functions set the defaults, not the parser
     assert vars(parser.parse_args(["--maxout-dim", "3"])) == {"maxout_dim": 3}
+
+
+BASES = {"transformer_topk_attn": "transformer", "transformer_topk_attn_iwslt_de_en": "transformer_iwslt_de_en",
+         "transformer_topk_attn_wmt_en_de": "transformer_wmt_en_de",
+         "transformer_topk_attn_vaswani_wmt_en_de_big": "transformer_vaswani_wmt_en_de_big",
+         "lstm_topk_attn": "lstm", "rnnsearch_topk_attn": "rnnsearch",
+         "rnnsearch_topk_attn_wmt14_en_fr": "rnnsearch_wmt14_en_fr"}
+
+
+def test_every_topk_architecture_is_its_base_architecture_plus_the_topk_flags():
+    """Each ``*_topk_attn*`` architecture (models.flags.register_architectures) sets exactly what its base
+    architecture sets, and the top-k flags' defaults besides; none is missing from the registry."""
+    from dataclasses import fields
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from softtopk_fairseq.models.topk_attention import TransformerTopkAttentionConfig
+
+    assert sorted(name for name in ARCH_CONFIG_REGISTRY if "topk_attn" in name) == sorted(BASES)
+    for arch, base in BASES.items():
+        args, base_args = argparse.Namespace(), argparse.Namespace()
+        ARCH_CONFIG_REGISTRY[arch](args)
+        ARCH_CONFIG_REGISTRY[base](base_args)
+        topk = {name: value for name, value in vars(args).items() if name.startswith("topk_attn")}
+        assert {name: value for name, value in vars(args).items() if name not in topk} == vars(base_args), arch
+        config = TransformerTopkAttentionConfig if arch.startswith("transformer") else TopkAttentionConfig
+        assert topk == {f.name: f.default for f in fields(config) if not f.name.startswith("_")}, arch

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import register_model
 from fairseq.models.lstm import AttentionLayer, LSTMModel
 from fairseq.models.lstm import base_architecture as lstm_base_architecture
 from fairseq.models.transformer import TransformerModel
@@ -33,7 +33,7 @@ from fairseq.models.transformer import (transformer_iwslt_de_en, transformer_vas
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from softtopk_fairseq.models.flags import add_flags, fill_defaults
+from softtopk_fairseq.models.flags import add_flags, register_architectures
 from softtopk_fairseq.models.rnnsearch import RNNSearchModel
 from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
 from softtopk_fairseq.models.rnnsearch import rnnsearch_wmt14_en_fr
@@ -162,28 +162,12 @@ class TransformerTopkAttnModel(TransformerModel):
         return model
 
 
-@register_model_architecture("transformer_topk_attn", "transformer_topk_attn")
-def transformer_topk_attn(args):
-    fill_defaults(args, TransformerTopkAttentionConfig())
-    transformer_base_architecture(args)
-
-
-@register_model_architecture("transformer_topk_attn", "transformer_topk_attn_iwslt_de_en")
-def transformer_topk_attn_iwslt_de_en(args):
-    fill_defaults(args, TransformerTopkAttentionConfig())
-    transformer_iwslt_de_en(args)
-
-
-@register_model_architecture("transformer_topk_attn", "transformer_topk_attn_wmt_en_de")
-def transformer_topk_attn_wmt_en_de(args):
-    fill_defaults(args, TransformerTopkAttentionConfig())
-    transformer_wmt_en_de(args)
-
-
-@register_model_architecture("transformer_topk_attn", "transformer_topk_attn_vaswani_wmt_en_de_big")
-def transformer_topk_attn_vaswani_wmt_en_de_big(args):
-    fill_defaults(args, TransformerTopkAttentionConfig())
-    transformer_vaswani_wmt_en_de_big(args)
+register_architectures("transformer_topk_attn", TransformerTopkAttentionConfig(), {
+    "transformer_topk_attn": transformer_base_architecture,
+    "transformer_topk_attn_iwslt_de_en": transformer_iwslt_de_en,
+    "transformer_topk_attn_wmt_en_de": transformer_wmt_en_de,
+    "transformer_topk_attn_vaswani_wmt_en_de_big": transformer_vaswani_wmt_en_de_big,
+})
 
 
 @register_model("lstm_topk_attn")
@@ -202,10 +186,7 @@ class LSTMTopkAttnModel(LSTMModel):
         return model
 
 
-@register_model_architecture("lstm_topk_attn", "lstm_topk_attn")
-def lstm_topk_attn(args):
-    fill_defaults(args, TopkAttentionConfig())
-    lstm_base_architecture(args)
+register_architectures("lstm_topk_attn", TopkAttentionConfig(), {"lstm_topk_attn": lstm_base_architecture})
 
 
 @register_model("rnnsearch_topk_attn")
@@ -222,13 +203,7 @@ class RNNSearchTopkAttnModel(RNNSearchModel):
         return model
 
 
-@register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn")
-def rnnsearch_topk_attn(args):
-    fill_defaults(args, TopkAttentionConfig())
-    rnnsearch_base_architecture(args)
-
-
-@register_model_architecture("rnnsearch_topk_attn", "rnnsearch_topk_attn_wmt14_en_fr")
-def rnnsearch_topk_attn_wmt14_en_fr(args):
-    fill_defaults(args, TopkAttentionConfig())
-    rnnsearch_wmt14_en_fr(args)
+register_architectures("rnnsearch_topk_attn", TopkAttentionConfig(), {
+    "rnnsearch_topk_attn": rnnsearch_base_architecture,
+    "rnnsearch_topk_attn_wmt14_en_fr": rnnsearch_wmt14_en_fr,
+})
