@@ -193,12 +193,27 @@ def test_bad_options_are_refused_all_at_once_before_the_workdir_is_touched(tmp_p
         "  --src and --tgt must be two different languages, got 'en' and 'en'",
         "  --max-update must be >= 1, got 0",
         "  --lr must be a finite number > 0, got nan",
-        "  --beams must be one or more beam sizes >= 1, got [5, 0]",
+        "  --beams must be one or more distinct beam sizes >= 1, got [5, 0]",
         "  --teacher-forcing-ratio must be in [0, 1], got 1.5",
         "  --soft-beam-candidates must be 0 (all) or >= --soft-beam-size (5), got 2",
         "  --topk-attn-epsilon must be a finite number > 0, got 0.0"]
     assert not (tmp_path / "work").exists()
     assert run.option_problems(_tiny_config(tmp_path)) == []  # the defaults pass
+
+
+def test_a_workdir_that_cannot_be_a_directory_and_repeated_beams_are_option_errors(tmp_path):
+    """--workdir naming a file (or a path below one) once ended in a FileExistsError traceback from makedirs;
+    --beams 5 5 started a training whose table would hold one beam twice. Both are option errors now, before
+    anything is written."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    for where, match in ((notes, "is a file, not a directory"), (notes / "work", "is a file, so no directory")):
+        with pytest.raises(SystemExit, match=f"option error:\n  --workdir {where}.*{match}"):
+            run.run_pipeline(_tiny_config(tmp_path, workdir=str(where)))
+    assert notes.read_text() == "precious" and os.listdir(tmp_path) == ["notes.txt"]
+    with pytest.raises(SystemExit, match=r"--beams must be one or more distinct beam sizes >= 1, got \[5, 5\]"):
+        run.run_pipeline(_tiny_config(tmp_path, beams=[5, 5]))
+    assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 @pytest.mark.parametrize("problem, match", [

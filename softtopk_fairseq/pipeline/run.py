@@ -338,7 +338,7 @@ def option_problems(cfg: Config) -> List[str]:
     from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, config_problems  # fairseq
     from softtopk_fairseq.modules.topk_attention import topk_option_problems
 
-    problems = []
+    problems = workdir.location_problems(cfg.workdir)
     if not cfg.src or not cfg.tgt or cfg.src == cfg.tgt:
         problems.append(f"--src and --tgt must be two different languages, got {cfg.src!r} and {cfg.tgt!r}")
     at_least = [("--max-update", cfg.max_update, 1), ("--max-tokens", cfg.max_tokens, 1),
@@ -350,8 +350,8 @@ def option_problems(cfg: Config) -> List[str]:
     problems += [f"{flag} must be a finite number > 0, got {value}"
                  for flag, value in (("--lr", cfg.lr), ("--finetune-lr", cfg.finetune_lr))
                  if not (math.isfinite(value) and value > 0)]
-    if not cfg.beams or min(cfg.beams) < 1:
-        problems.append(f"--beams must be one or more beam sizes >= 1, got {cfg.beams}")
+    if not cfg.beams or min(cfg.beams) < 1 or len(set(cfg.beams)) < len(cfg.beams):
+        problems.append(f"--beams must be one or more distinct beam sizes >= 1, got {cfg.beams}")
     problems += config_problems(SoftBeamSearchConfig(
         sentence_avg=False, teacher_forcing_ratio=cfg.teacher_forcing_ratio, soft_beam_size=cfg.soft_beam_size,
         soft_topk_epsilon=cfg.soft_topk_epsilon, soft_topk_scaling=cfg.soft_topk_scaling,

@@ -26,6 +26,7 @@ MAX_LEN = {"max_len_a": 1.5, "max_len_b": 10}
 # counts from the longest source in a batch, so a hypothesis that reaches it depends on the batching: both
 # paths batch alike to give the same translations.
 DECODE_BATCH = 128
+DEFAULT_BEAM = 5
 SCORES_FILE = "scores.jsonl"  # one JSON line per (test set, checkpoint, beam) scored by `score`
 SCORES_HEADING = "## Further test sets (`score`)"
 
@@ -106,7 +107,7 @@ def from_workdir(path: str, checkpoint: str = "tf", device: str = "cpu"):
     return Workdir(path).hub(checkpoint, device)
 
 
-def translate_lines(hub, lines: Sequence[str], beam: int = 5) -> List[str]:
+def translate_lines(hub, lines: Sequence[str], beam: int = DEFAULT_BEAM) -> List[str]:
     """One translation per line, in order; an empty (or blank) line gives an empty line. All lines go to the
     hub at once: it sorts them by length into batches as fairseq-generate does."""
     out = [""] * len(lines)
@@ -212,7 +213,7 @@ def main(command: str, argv: List[str]) -> None:
     p = argparse.ArgumentParser(prog=f"python -m softtopk_fairseq.pipeline {command}",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="a workdir the pipeline wrote")
-    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--beam", type=int, default=DEFAULT_BEAM, help=f"beam size (default: {DEFAULT_BEAM})")
     if command == "translate":
         p.add_argument("--checkpoint", default="tf",
                        help="which model: tf (teacher forcing), ft_tf, ft_soft_beam, ft_topk_attn (default: tf)")

@@ -4,6 +4,7 @@ belongs to one run, and an interrupted run resumes.
 * :func:`check_inputs` -- the raw files exist, are UTF-8, non-empty and line-aligned (empty lines are
   reported, and kept); every problem is one line naming the file and the fix, raised before anything is
   written.
+* :func:`location_problems` -- the workdir can be a directory this user writes (not a file, nor below one).
 * :func:`claim` -- ``WORKDIR/run.json`` records what defines the run (the options that change its results
   and the size and modification time of each input file). A fresh or empty workdir is claimed; one that
   holds the same run is resumed; one that holds a different run, or files of unknown origin, is refused
@@ -62,6 +63,24 @@ def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0,
     if problems:
         raise SystemExit("input error:\n  " + "\n  ".join(problems))
     return counts
+
+
+def location_problems(workdir: str) -> List[str]:
+    """What keeps ``workdir`` from being created or written (a file in its place, or a folder on its path that
+    cannot be written): one line naming ``--workdir`` and the fix, checked with the options, before anything is
+    written."""
+    path = os.path.abspath(workdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"--workdir {workdir} is a file, not a directory; give a new directory or one of this pipeline's"]
+    existing = path
+    while not os.path.exists(existing):  # the nearest folder that exists: where the rest would be created
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return [f"--workdir {workdir}: {existing} is a file, so no directory can be made below it"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"--workdir {workdir}: {existing} cannot be written (permission denied); give a directory you "
+                "can write"]
+    return []
 
 
 def fingerprint(cfg, input_files: List[str]) -> dict:
