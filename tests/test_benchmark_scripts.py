@@ -38,6 +38,15 @@ def test_operator_benchmark_prints_its_table():
     assert len(rows) == 1 and rows[0].count("|") == 18, out.stdout
 
 
+def test_softmax_k_times_benchmark_compares_with_a_git_revision():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_softmax_k_times.py"), "--against", "HEAD",
+                          "--shapes", "4x30", "2x7", "--repeats", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 4x30") or line.startswith("| 2x7")]
+    assert len(rows) == 2 and all(float(row[5]) > 0 for row in rows), out.stdout
+
+
 @pytest.mark.parametrize("backends", [[], ["--backends", "triton", "torch"]])  # Triton: the interpreter here
 def test_unsorted_k_benchmark_prints_its_table(backends):
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_unsorted_k.py"), "--rows", "4", "--n", "300",
