@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from softtopk_fairseq.ops import cpu_kernels, soft_topk
+from softtopk_fairseq.ops import BadScoresError, cpu_kernels, soft_topk
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Valid inputs must not make a kernel compute inf - inf or overflow, even on lanes it discards: the Triton
@@ -143,7 +143,7 @@ def test_bad_scores_raise_the_same_error_on_every_backend(backend, sorted):
                                 (2, float("inf"), "infinity on the selected side")):
         x = torch.randn(3, 6, device=device)
         x[row, 2] = value
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(BadScoresError, match=message):  # a ValueError callers can tell from the others
             soft_topk(x, 2, sorted=sorted, mask=mask, backend=backend)
     x = torch.randn(3, 6, device=device)
     x[1, 2] = float("inf")  # masked out: excluded, no error
@@ -432,7 +432,7 @@ def test_cpu_unsorted_rows_solved_in_groups_match_rows_solved_alone(scaling):
     for value, message in ((float("nan"), "scores contain NaN"), (float("inf"), "infinity on the selected side")):
         bad = x.clone()
         bad[17, 4] = value
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(BadScoresError, match=message):
             soft_topk(bad, 4, epsilon=0.3, backend="cpu")
 
 

@@ -74,3 +74,42 @@ def test_topk_attention_trains_in_mixed_precision(device, regime, arch, mode):
         extra["topk_attn_layers"] = "encoder-decoder,decoder-self"
     model, sample = _prepare(build(arch, d, dtype=torch.float32, dropout=0.1, **extra), batch(d), device, regime)
     _train_updates(model, LabelSmoothedCrossEntropyCriterion(TinyTask(d), False, 0.1), sample, device, regime)
+
+
+def _overflow_in_forward(model, where):
+    """Make the forward overflow as float16 can: +inf in a projection's bias (the scores it feeds come out
+    +-inf or NaN)."""
+    with torch.no_grad():
+        module = model.decoder.fc_out if where == "output" else model.decoder.layers[0].encoder_attn.q_proj
+        module.bias.fill_(torch.inf)
+
+
+@pytest.mark.parametrize("setup", ["soft_beam_search-ot", "soft_beam_search-perturbed", "transformer_topk_attn-soft",
+                                   "transformer_topk_attn-perturbed"])
+def test_a_forward_overflow_is_a_batch_fairseqs_loss_scaler_skips(setup):
+    """A forward that overflows (float16's range is small) gives a non-finite gradient norm, which fairseq's
+    DynamicLossScaler (--fp16) turns into OverflowError -- the trainer skips the batch and lowers the scale --
+    as it does for its own criteria and attention; not the operator's ValueError, which would end the run."""
+    from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
+
+    d = dictionary(12)
+    name, method = setup.split("-")
+    if name == "soft_beam_search":
+        model = build("lstm", d, dtype=torch.float32)
+        criterion = SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(
+            sentence_avg=False, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_candidates=8,
+            soft_topk_method=method, perturbed_samples=4))
+        _overflow_in_forward(model, "output")
+    else:
+        model = build(name, d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode=method,
+                      topk_attn_layers="encoder-decoder")
+        criterion = LabelSmoothedCrossEntropyCriterion(TinyTask(d), False, 0.1)
+        _overflow_in_forward(model, "attention")
+    loss, _, _ = criterion(model, batch(d))
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.0)
+    assert not bool(torch.isfinite(grad_norm))
+    scaler = DynamicLossScaler(init_scale=128.0)
+    with pytest.raises(OverflowError):
+        scaler.check_overflow(grad_norm)
+    assert scaler.loss_scale == 64.0

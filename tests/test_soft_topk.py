@@ -4,7 +4,8 @@ import warnings
 import pytest
 import torch
 
-from softtopk_fairseq.ops import SoftTopK, perturbed_topk, soft_topk, softmax_k_times, solvers
+from softtopk_fairseq.ops import (BadScoresError, SoftTopK, bad_score_rows, perturbed_topk, soft_topk, softmax_k_times,
+                                  solvers)
 from softtopk_fairseq.ops.paper_reference import paper_sorted_soft_topk
 
 f64 = torch.float64
@@ -280,14 +281,18 @@ def test_every_operator_refuses_nan_and_a_selected_infinity_unless_masked_by_one
     inf = torch.inf if largest else -torch.inf
     x = torch.tensor([[1.0, inf, 2.0, 3.0]])
     keep = torch.tensor([[True, False, True, True]])
-    with pytest.raises(ValueError, match=f"{op.__name__}: scores contain an infinity on the selected side"):
+    with pytest.raises(BadScoresError, match=f"{op.__name__}: scores contain an infinity on the selected side"):
         op(x, 2, **kwargs)
     out = op(x, 2, mask=keep, **kwargs)
     assert bool(torch.isfinite(out).all()) and float(out[0, 1].abs().sum()) == 0
     nan = torch.tensor([[1.0, torch.nan, 2.0, 3.0]])
     for mask in (None, keep):
-        with pytest.raises(ValueError, match=f"{op.__name__}: scores contain NaN"):
+        with pytest.raises(BadScoresError, match=f"{op.__name__}: scores contain NaN"):
             op(nan, 2, mask=mask, **kwargs)
+    # The rows a BadScoresError is about (kept as a dimension): not one whose infinity is the excluded side's.
+    bad_rows = torch.cat([x, nan, torch.where(torch.isinf(x), -x, x)])
+    assert bad_score_rows(bad_rows, largest=largest).tolist() == [[True], [True], [False]]
+    assert bad_score_rows(bad_rows.t(), dim=0, largest=largest).tolist() == [[True, True, False]]
 
 
 def test_warns_when_iteration_cap_is_hit():

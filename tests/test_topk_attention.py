@@ -88,6 +88,35 @@ def test_masked_keys_get_zero_weight_and_zero_gradient_and_nothing_is_nan(mode):
     assert torch.isfinite(scores.grad).all() and float(scores.grad[mask].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_a_row_with_a_nan_or_plus_inf_score_gets_nan_weights_in_every_mode_and_the_others_do_not_change(mode, dim):
+    """As torch.softmax gives (and fairseq's trainer expects from a float16 overflow of q.k): NaN weights on
+    that row -- not the operator's error, and never finite weights (a NaN key is not a masked one); the other
+    rows are the clean call's (the perturbed mode draws fresh noise: its clean rows only sum to 1)."""
+    torch.manual_seed(4)
+    clean = torch.randn(5, 8)
+    clean[:, 6:] = NEG            # padding
+    bad = clean.clone()
+    bad[1, 2] = torch.inf         # an overflow
+    bad[3, 0] = torch.nan
+    bad[4, :] = torch.nan         # a whole row of NaN: not a fully masked row (zeros)
+    if dim == 0:
+        clean, bad = clean.t(), bad.t()
+    torch.manual_seed(0)
+    w_clean = topk_attention_weights(clean, 3, mode=mode, epsilon=0.2, dim=dim)
+    torch.manual_seed(0)
+    w = topk_attention_weights(bad, 3, mode=mode, epsilon=0.2, dim=dim)
+    if dim == 0:
+        w, w_clean = w.t(), w_clean.t()
+    assert bool(torch.isnan(w[[1, 3, 4], :6]).all())
+    good = [0, 2]
+    if mode == "perturbed":
+        torch.testing.assert_close(w[good].sum(-1), torch.ones(2))
+    else:
+        torch.testing.assert_close(w[good], w_clean[good], rtol=0, atol=0)
+
+
 def test_soft_weights_gradcheck():
     torch.manual_seed(3)
     scores = torch.randn(3, 7, dtype=torch.float64)

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
-from softtopk_fairseq.ops import divide_by_temperature, effective_epsilon, perturbed_topk, soft_topk, softmax_k_times
+from softtopk_fairseq.ops import (BadScoresError, bad_score_rows, divide_by_temperature, effective_epsilon,
+                                  perturbed_topk, soft_topk, softmax_k_times)
 
 BOOKKEEPING = ("argmax", "topk")
 PERTURBED_SAMPLES = 16  # default Gaussian draws per step of the "perturbed" relaxation
@@ -70,7 +71,7 @@ class Relaxed(NamedTuple):
 
 
 class Relaxation:
-    """A relaxed sorted top-k of the candidate scores; the variants override :meth:`relax` and
+    """A relaxed sorted top-k of the candidate scores; the variants override :meth:`_relax` and
     :meth:`pruned_mass`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
     log-likelihood units with ``scaling="none"``, normalised per sentence with ``"paper"``."""
 
@@ -85,7 +86,20 @@ class Relaxation:
         return effective_epsilon(scores, self.k, epsilon=self.epsilon, sorted=True, scaling=self.scaling)
 
     def relax(self, kept: Tensor) -> Relaxed:
-        """The relaxation of the kept scores (-inf entries excluded)."""
+        """The relaxation of the kept scores (-inf entries excluded). A row the operator refuses -- a NaN score,
+        from a model whose output went NaN or overflowed float16 -- gets a NaN ``A``, and so a NaN loss and
+        gradients, as fairseq's own criteria give: its trainer then skips the batch and lowers the loss scale
+        under ``--fp16`` / ``--amp``, or raises ``FloatingPointError`` with its NaN detector's report, where the
+        operator's error would end the run. Costs nothing while no row is bad (the operator's own check)."""
+        try:
+            return self._relax(kept)
+        except BadScoresError:
+            bad = bad_score_rows(kept)  # (rows, 1)
+            relaxed = self._relax(torch.where(bad, 0.0, kept))
+            return relaxed._replace(A=torch.where(bad.unsqueeze(-1), torch.nan, relaxed.A))
+
+    def _relax(self, kept: Tensor) -> Relaxed:
+        """:meth:`relax` on scores the operator accepts."""
         raise NotImplementedError
 
     def pruned_mass(self, relaxed: Relaxed, kept: Tensor, rest: Tensor) -> Tensor:
@@ -104,7 +118,7 @@ class Relaxation:
 class OptimalTransport(Relaxation):
     """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`)."""
 
-    def relax(self, kept):
+    def _relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
                             max_iter=self.max_iter, return_info=True)
         return Relaxed(A, info.temperature, info.iterations.detach(), info.error.detach())
@@ -130,7 +144,7 @@ class SoftmaxKTimes(Relaxation):
     """k successive softmaxes, rank ``l`` removing the hard top-l (:func:`~softtopk_fairseq.ops.softmax_k_times`),
     at the temperature SOFT top-k would use (the scores divided by it here, the softmaxes at temperature 1)."""
 
-    def relax(self, kept):
+    def _relax(self, kept):
         scaled, temperature = self._divide_by_temperature(kept)
         return Relaxed(softmax_k_times(scaled, self.k, epsilon=1.0), temperature, None, None)
 
@@ -158,7 +172,7 @@ class Perturbed(Relaxation):
     by one positive number, so ``top-k(x + sigma Z) = top-k(x / sigma + Z)``: the operator runs at sigma 1 on
     the scores divided by each row's sigma (differentiable in it, as the OT temperature is)."""
 
-    def relax(self, kept):
+    def _relax(self, kept):
         scaled, sigma = self._divide_by_temperature(kept)
         return Relaxed(perturbed_topk(scaled, self.k, sigma=1.0, samples=self.samples, sorted=True), sigma, None,
                        None)

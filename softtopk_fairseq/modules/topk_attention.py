@@ -12,7 +12,11 @@ Given scores :math:`s_j` over the keys (``-inf`` = masked: padding, causal futur
   Monte-Carlo gradient). Random: each call draws fresh noise (torch's default generator).
 
 Rows with at most k valid keys attend to all of them (``A = 1`` there, so all three equal softmax); fully
-masked rows get all-zero weights (plain softmax would give NaN). ``log A``
+masked rows get all-zero weights (plain softmax would give NaN). A row holding a NaN or ``+inf`` score (a float16
+overflow of ``q.k``, say) gets NaN weights in every mode, as ``torch.softmax`` gives: the loss and gradients are
+then non-finite, which fairseq's trainer handles as it does for its own attention -- the batch is skipped and the
+loss scale lowered under ``--fp16`` / ``--amp``, a ``FloatingPointError`` with its NaN detector's report otherwise
+-- where the operators' refusal (``ops.BadScoresError``) would end the run. ``log A``
 is taken of ``A`` floored at ``LOG_FLOOR``: a key that far outside the top k gets weight
 ``<= 1e-30 * softmax``, and its gradient through ``log`` is cut instead of overflowing to NaN.
 """
@@ -22,7 +26,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops import perturbed_topk, soft_topk
+from softtopk_fairseq.ops import BadScoresError, bad_score_rows, perturbed_topk, soft_topk
 
 MODES = ("softmax", "soft", "hard", "perturbed")
 LOG_FLOOR = 1e-30
@@ -42,7 +46,7 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilo
     if k < 1:
         raise ValueError(f"topk_attention_weights: k must be >= 1, got {k}")
     x = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
-    valid = x > -torch.inf
+    valid = x != -torch.inf  # a NaN key counts: its row's weights come out NaN, as softmax's would
     if mode == "softmax" or k >= x.shape[dim]:
         pass
     elif mode == "hard":
@@ -50,10 +54,16 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilo
         x = x.masked_fill(x < kth, -torch.inf)
     else:
         # Both relaxations treat rows with <= k valid keys as "select all" (A = 1 on valid keys).
-        if mode == "soft":
-            a = soft_topk(x, k, dim=dim, epsilon=epsilon)
-        else:
-            a = perturbed_topk(x, k, dim=dim, sigma=epsilon, samples=samples)
+        def relaxed_topk(scores_: Tensor) -> Tensor:
+            if mode == "soft":
+                return soft_topk(scores_, k, dim=dim, epsilon=epsilon)
+            return perturbed_topk(scores_, k, dim=dim, sigma=epsilon, samples=samples)
+
+        try:
+            a = relaxed_topk(x)
+        except BadScoresError:  # NaN weights on the rows the operator refused, as softmax gives (module docstring)
+            bad = bad_score_rows(x, dim)
+            a = torch.where(bad, torch.nan, relaxed_topk(torch.where(bad, 0.0, x)))
         x = torch.where(valid, x + torch.log(a.clamp_min(LOG_FLOOR)), x)
     # A fully masked row (e.g. a padding query) would be softmax(-inf, ...) = NaN: give it zeros instead.
     alive = valid.any(dim=dim, keepdim=True)

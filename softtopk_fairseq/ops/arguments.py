@@ -50,6 +50,26 @@ def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
                              f"of shape {tuple(scores.shape)}")
 
 
+class BadScoresError(ValueError):
+    """Scores with a NaN, or an infinity on the selected side (:func:`check_score_values`): refused by every
+    relaxed top-k operator. A ValueError; a caller that would rather behave as ``torch.softmax`` does -- NaN out
+    for such a row, as fairseq's trainer expects from a float16 overflow (it skips the batch and lowers the loss
+    scale) -- catches this one and no other, then calls the operator again on the rows
+    :func:`bad_score_rows` does not flag."""
+
+
+def bad_score_rows(scores: Tensor, dim: int = -1, largest: bool = True) -> Tensor:
+    """True where a row along ``dim`` (kept as a size-1 dimension) holds a NaN or an infinity on the selected
+    side: the rows a :class:`BadScoresError` is about."""
+    return (torch.isnan(scores) | (scores == (torch.inf if largest else -torch.inf))).any(dim, keepdim=True)
+
+
+def mask_along_last(mask: Tensor, shape: torch.Size, dim: int) -> Tensor:
+    """The caller's ``mask`` broadcast to the scores' ``shape``, with ``dim`` moved last as the operators lay
+    the scores out (a view: reshape it to (rows, n) as needed)."""
+    return mask.expand(shape).movedim(dim, -1)
+
+
 def nan_scores(op: str) -> str:
     """The error message for NaN scores."""
     return f"{op}: scores contain NaN"
@@ -63,11 +83,11 @@ def selected_infinity(op: str) -> str:
 
 
 def check_score_values(op: str, scores: Tensor, largest: bool = True, mask: Optional[Tensor] = None) -> None:
-    """Raise ValueError if ``scores`` hold a NaN (anywhere: a masked NaN still means a broken model) or an
+    """Raise :class:`BadScoresError` if ``scores`` hold a NaN (anywhere: a masked NaN still means a broken model) or an
     infinity on the selected side where ``mask`` (broadcast to the scores) keeps the entry -- as the error says,
     ``mask=False`` excludes it. One synchronisation when the scores are fine."""
     selected_inf = scores == (torch.inf if largest else -torch.inf)
     if mask is not None:
         selected_inf = selected_inf & mask
     if bool((torch.isnan(scores) | selected_inf).any()):
-        raise ValueError(nan_scores(op) if bool(torch.isnan(scores).any()) else selected_infinity(op))
+        raise BadScoresError(nan_scores(op) if bool(torch.isnan(scores).any()) else selected_infinity(op))

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from softtopk_fairseq.ops import backward as implicit_backward
 from softtopk_fairseq.ops import cpu_kernels, solvers
-from softtopk_fairseq.ops.arguments import nan_scores, selected_infinity
+from softtopk_fairseq.ops.arguments import BadScoresError, nan_scores, selected_infinity
 from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, BAD_SCALE
 
 NAMES = ("auto", "torch", "triton", "cpu")
@@ -275,9 +275,9 @@ def score_bound(dtype: torch.dtype, k: int) -> float:
 def _raise_for_status(status: int) -> None:
     """A fused forward's report (``launch.BAD_NAN`` / ``BAD_INF`` / ``BAD_SCALE`` bits)."""
     if status & BAD_NAN:
-        raise ValueError(NAN_SCORES)
+        raise BadScoresError(NAN_SCORES)
     if status & BAD_INF:
-        raise ValueError(INF_SCORES)
+        raise BadScoresError(INF_SCORES)
     if status & BAD_SCALE:
         raise ValueError(BAD_TEMPERATURE)
 
@@ -297,9 +297,9 @@ def _check_scores(x: Tensor, top: Tensor, all_valid: bool, eps: Tensor, valid: T
     if bool((torch.isnan(first) | (first == torch.inf) | infinite_eps).any()) or (
             not all_valid and bool(torch.isnan(x).any())):
         if bool(torch.isnan(x).any()):  # in the order of the fused kernels' status bits
-            raise ValueError(NAN_SCORES)
+            raise BadScoresError(NAN_SCORES)
         if bool((first == torch.inf).any()):
-            raise ValueError(INF_SCORES)
+            raise BadScoresError(INF_SCORES)
         lowest = torch.where(valid, x, torch.inf).amin(-1)
         if bool((infinite_eps & (first - lowest == torch.inf)).any()):
             raise ValueError(BAD_TEMPERATURE)

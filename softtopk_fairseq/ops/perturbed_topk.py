@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops.arguments import check_score_values, check_selection
+from softtopk_fairseq.ops.arguments import check_score_values, check_selection, mask_along_last
 
 
 def _hard_topk(z: Tensor, valid: Tensor, k: int, sorted: bool) -> Tensor:
@@ -110,7 +110,7 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = 0.1,
     excluded = -torch.inf if largest else torch.inf
     valid = x != excluded
     if mask is not None:
-        valid = valid & mask.expand(scores.shape).movedim(dim, -1).reshape(-1, n)
+        valid = valid & mask_along_last(mask, scores.shape, dim).reshape(-1, n)
     if not largest:
         x = -x
     x = torch.where(valid, x, torch.zeros_like(x))  # excluded entries: finite, never selected

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from softtopk_fairseq.ops import backends
 from softtopk_fairseq.ops import backward as implicit_backward
-from softtopk_fairseq.ops.arguments import check_selection
+from softtopk_fairseq.ops.arguments import check_selection, mask_along_last
 
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
@@ -292,7 +292,7 @@ def _row_mask(mask: Optional[Tensor], shape: torch.Size, dim: int) -> Optional[T
     the op may keep for its backward while the caller reuses (or edits) its own."""
     if mask is None:
         return None
-    return mask.expand(shape).movedim(dim, -1).reshape(-1, shape[dim]).clone(memory_format=torch.contiguous_format)
+    return mask_along_last(mask, shape, dim).reshape(-1, shape[dim]).clone(memory_format=torch.contiguous_format)
 
 
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
