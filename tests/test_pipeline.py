@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from file_tree import snapshot
-from softtopk_fairseq.pipeline import run, text, toy_corpus
+from softtopk_fairseq.pipeline import run, text, toy_corpus, workdir
 
 
 @pytest.mark.parametrize("method", text.BPE_METHODS)
@@ -119,7 +119,7 @@ def test_pipeline_rejects_incomplete_file_arguments(tmp_path):
 
 
 def _write_pairs(prefix, n, seed, langs=("en", "fr")):
-    pairs = toy_corpus.generate(n, seed)
+    pairs = list(toy_corpus.generate(n, seed))
     text.write_lines(f"{prefix}.{langs[0]}", [p[0] for p in pairs])
     text.write_lines(f"{prefix}.{langs[1]}", [p[1] for p in pairs])
 
@@ -238,6 +238,28 @@ def test_bad_input_files_are_one_line_errors_before_anything_is_written(tmp_path
     with pytest.raises(SystemExit, match=match):
         run.run_pipeline(_tiny_config(tmp_path, train=data / "train", valid=data / "val", test=data / "test"))
     assert not (tmp_path / "work").exists()
+
+
+def test_held_out_pairs_that_are_training_pairs_are_counted_and_a_test_set_that_is_the_training_data_warned(
+        tmp_path, capsys):
+    """`--test` naming the training data ran without a word (its BLEU measured recall); now a warning, and a
+    note with the count when only some held-out pairs are training pairs (Multi30k: 2 of val, 1 of test)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_pairs(data / "train", 6, 1)
+    text.write_lines(data / "val.en", text.read_lines(data / "train.en")[:2] + ["a new line"])
+    text.write_lines(data / "val.fr", text.read_lines(data / "train.fr")[:2] + ["une ligne"])
+    _write_pairs(data / "test", 3, 99)
+    splits = {"train": str(data / "train"), "valid": str(data / "val"), "test": str(data / "test")}
+    workdir.check_inputs(splits, ("en", "fr"))
+    assert capsys.readouterr().out == f"note: 2 of 3 --valid pairs ({data / 'val'}) are also --train pairs\n"
+    workdir.check_inputs({**splits, "test": str(data / "train")}, ("en", "fr"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (f"warning: every --test pair ({data / 'train'}) is also a --train pair: its BLEU will "
+                      "measure recall of the training data, not translation")
+    workdir.check_inputs({**splits, "test": str(data / "train")}, ("en", "fr"), max_lines=3)  # train: 3 pairs
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"note: 3 of 6 --test pairs ({data / 'train'}) are also --train pairs")
 
 
 def test_pipeline_runs_from_an_installed_package_in_any_directory(tmp_path):

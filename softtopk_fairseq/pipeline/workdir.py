@@ -3,7 +3,7 @@ belongs to one run, and an interrupted run resumes.
 
 * :func:`check_inputs` -- the raw files exist, are UTF-8, non-empty and line-aligned (empty lines are
   reported, and kept); every problem is one line naming the file and the fix, raised before anything is
-  written.
+  written. Held-out pairs that are training pairs too are counted (a warning when all are).
 * :func:`location_problems` -- the workdir can be a directory this user writes (not a file, nor below one).
 * :func:`claim` -- ``WORKDIR/run.json`` records what defines the run (the options that change its results
   and the size and modification time of each input file). A fresh or empty workdir is claimed; one that
@@ -62,7 +62,34 @@ def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0,
                     print(f"note: {prefix}.{lang} has {n} empty line(s); kept (as empty sentences)")
     if problems:
         raise SystemExit("input error:\n  " + "\n  ".join(problems))
+    if "train" in splits:
+        _note_held_out_pairs_in_train(splits, langs, max_lines)
     return counts
+
+
+def _pairs(prefix: str, langs, limit: int = 0):
+    """The sentence pairs of ``PREFIX.LANG``, streamed (the first ``limit`` only, if > 0)."""
+    with open(f"{prefix}.{langs[0]}", encoding="utf-8") as a, open(f"{prefix}.{langs[1]}", encoding="utf-8") as b:
+        for i, pair in enumerate(zip(a, b)):
+            if 0 < limit <= i:
+                return
+            yield pair[0].rstrip("\n"), pair[1].rstrip("\n")
+
+
+def _note_held_out_pairs_in_train(splits: Dict[str, Optional[str]], langs, max_lines: int) -> None:
+    """Say how many pairs of each held-out split also occur in the training pairs (a held-out BLEU over them
+    measures recall, not translation); a warning when all do -- e.g. ``--test`` naming the training data. The
+    held-out pairs are held in memory, the training pairs streamed."""
+    held_out = {split: list(_pairs(prefix, langs)) for split, prefix in splits.items() if split != "train"}
+    wanted = {pair for pairs in held_out.values() for pair in pairs}
+    seen = {pair for pair in _pairs(splits["train"], langs, max_lines) if pair in wanted}
+    for split, pairs in held_out.items():
+        found = sum(pair in seen for pair in pairs)
+        if found == len(pairs):
+            print(f"warning: every --{split} pair ({splits[split]}) is also a --train pair: its BLEU will measure "
+                  "recall of the training data, not translation")
+        elif found:
+            print(f"note: {found} of {len(pairs)} --{split} pairs ({splits[split]}) are also --train pairs")
 
 
 def location_problems(workdir: str) -> List[str]:
