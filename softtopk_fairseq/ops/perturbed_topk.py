@@ -30,7 +30,8 @@ to draw the same noise again -- O(1) memory instead of ``samples`` x ``n`` saved
 seeded generator. Masking and bad input follow ``soft_topk``: ``-inf`` scores (``+inf`` with
 ``largest=False``) and ``mask == False`` entries are excluded, get exactly 0 and zero gradient; rows with
 ``n_valid <= k`` get 1 on every valid entry (unsorted; gradient 0) or the perturbed sort of their valid
-entries (sorted); NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``sigma <= 0`` and ``samples < 1`` raise.
+entries (sorted); NaN or ``+inf`` scores (``ops.BadScoresError``), ``k`` outside ``1..n``, ``sigma <= 0`` and
+``samples < 1`` raise.
 float16/bfloat16 are computed in float32 and returned in their dtype.
 """
 from typing import Optional

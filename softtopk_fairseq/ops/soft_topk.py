@@ -28,7 +28,8 @@ Masking, degenerate rows, dtypes
 ``-inf`` scores (``+inf`` with ``largest=False``) and ``mask == False`` entries are excluded: they get exactly 0 and zero gradient and do not
 count in ``n``. A row with ``n_valid <= k`` valid entries gets 1 on every valid entry (unsorted) or the soft
 sort of its valid entries over ranks ``0..n_valid-1`` (sorted; ranks ``>= n_valid`` are 0). An all-masked row
-is all zeros. NaN or ``+inf`` scores, ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float scores raise.
+is all zeros. NaN or ``+inf`` scores (``ops.BadScoresError``), ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float
+scores raise.
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
 import warnings
@@ -303,7 +304,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
 
     Args:
         scores: float tensor, any shape; ``-inf`` entries are excluded (``+inf`` with ``largest=False``); a NaN,
-            or an infinity on the selected side that ``mask`` keeps, is refused (``ops.arguments``).
+            or an infinity on the selected side that ``mask`` keeps, is refused (``ops.BadScoresError``).
         k: number of elements to select, ``1 <= k <= scores.shape[dim]``.
         dim: dimension to select along.
         epsilon: entropic temperature, in the units of ``scores`` (``scaling="none"``).

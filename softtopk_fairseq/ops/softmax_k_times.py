@@ -9,7 +9,7 @@ Rank ``l`` is a softmax over the scores with the hard top-``l`` entries removed:
 so every rank column sums to 1, but unlike the OT operator the rows need not sum to at most 1 (an element can
 be counted at several ranks). The removal set is hard (no gradient flows through which entries were
 removed); the gradient flows through the softmaxes. ``-inf`` scores and ``mask == False`` entries get 0; NaN
-and ``+inf`` scores are refused, as by the other relaxations.
+and ``+inf`` scores are refused (``ops.BadScoresError``), as by the other relaxations.
 
 With ``scaling="paper"`` the temperature ``T`` of a row is the one ``soft_topk(..., sorted=True,
 scaling="paper")`` uses at the same ``epsilon`` (``epsilon * max_cost / 2``, see
