@@ -160,10 +160,20 @@ def test_scores_too_large_for_the_paper_scaling_raise_instead_of_nan(backend, so
     overflows (x - centre = inf: inf / inf = NaN). There every backend raises, naming the cause and the fix. Before
 that, the temperature's slope (epsilon x) can overflow too: the gradient stays finite."""
     warnings.simplefilter("ignore", RuntimeWarning)  # overflowing scores are the input here (pytest restores)
+    torch.manual_seed(row)
     x = torch.randn(33, 6, device=_device(backend))
     x[row, 3] = 1e30
-    out = soft_topk(x, 2, sorted=sorted, scaling="paper", backend=backend)
+    xg = x.clone().requires_grad_()
+    out = soft_topk(xg, 2, sorted=sorted, scaling="paper", backend=backend)
     assert bool(torch.isfinite(out).all())
+    ref_x = x.cpu().clone().requires_grad_()  # and the same values and gradient as the PyTorch path there
+    ref = soft_topk(ref_x, 2, sorted=sorted, scaling="paper", backend="torch")
+    torch.testing.assert_close(out.cpu(), ref.detach(), atol=2e-5, rtol=0)  # the other rows: float32 solves
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(row))
+    (out * g.to(out.device)).sum().backward()
+    (ref * g).sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), ref_x.grad, atol=2e-5, rtol=0)
+    assert float(out[row].abs().sum()) > 0 and bool((out[row].cpu() == ref[row].detach()).all())  # the +inf one
     # d eps / d x = epsilon x overflows too (dL/deps = 0 at an infinite temperature): the gradient is no 0 * inf.
     x[row, 3] = 1e37
     xg = x.clone().requires_grad_()

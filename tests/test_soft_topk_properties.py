@@ -60,11 +60,22 @@ def _sum_expectations(x, k, dim):
     return n_valid, torch.clamp(n_valid, max=k)
 
 
+# Scores near 1e30 under the paper scaling overflow the squared-distance cost, so the temperature is +inf by
+# design (test_fused_kernels.test_scores_too_large_for_the_paper_scaling_raise_instead_of_nan: there every backend's
+# output and gradient at 1e30 equal the PyTorch path's).
+# Triton's interpreter runs the kernels in numpy, which reports that IEEE overflow (and the inf / inf it leads to,
+# masked afterwards) as RuntimeWarnings the compiled kernels and the other paths do not print.
+INTERPRETER_IEEE_REPORTS = pytest.mark.filterwarnings(
+    "ignore:overflow encountered in multiply:RuntimeWarning", "ignore:invalid value encountered in divide:RuntimeWarning")
+
+
+@INTERPRETER_IEEE_REPORTS
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unsorted_properties(backend):
     _for_cases(backend, _check_unsorted)
 
 
+@INTERPRETER_IEEE_REPORTS
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sorted_properties(backend):
     _for_cases(backend, _check_sorted)
