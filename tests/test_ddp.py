@@ -2,7 +2,9 @@
 ``--ddp-backend pytorch_ddp`` wraps a model (``DistributedDataParallel`` -- here with no device ids, gloo on
 CPU -- then ``ModuleProxyWrapper``), without fairseq's trainer: two processes, a different batch on each;
 after backward the gradients must be identical on both ranks, also for batches that compute L_SOFT alone
-(DDP only reduces in an iteration where its forward ran)."""
+(DDP only reduces in an iteration where its forward ran); and a NaN on one rank's batch is a non-finite
+gradient on both ranks (fairseq skips that update everywhere), not an error on one rank that leaves the other
+waiting in the all-reduce."""
 import gc
 import json
 import os
@@ -48,6 +50,24 @@ def _worker(rank, port, result_path, route):
                                         scale=float(gathered[0].abs().max()), tf="tf_loss" in log,
                                         soft="soft_loss" in log)
         del model, criterion, loss
+    # A NaN on one rank only (a token whose embedding is NaN, in rank 1's batch alone -- as a float16 overflow
+    # would come): both ranks must finish the update with the same non-finite gradient, which fairseq's trainer
+    # skips on every rank alike; the operator's error on rank 1 alone would leave rank 0 in the all-reduce.
+    src = [set(batch(d, seed=r + 1)["net_input"]["src_tokens"].flatten().tolist()) for r in range(2)]
+    token = min(src[1] - src[0] - {d.pad()})
+    model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(build("lstm", d, dtype=torch.float32, seed=0)))
+    with torch.no_grad():
+        model.module.module.encoder.embed_tokens.weight[token].fill_(torch.nan)
+    criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(d), criterion_module.SoftBeamSearchConfig(
+        sentence_avg=False, teacher_forcing_ratio=0.0, soft_beam_size=3))
+    loss, _, _ = criterion(model, batch(d, seed=rank + 1))
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    finite = torch.tensor([float(torch.isfinite(loss)), float(torch.isfinite(grads).all())])
+    gathered = [torch.empty_like(finite) for _ in range(2)]
+    dist.all_gather(gathered, finite)
+    results["nan on rank 1"] = dict(loss_finite=[bool(g[0]) for g in gathered], grads_finite=[bool(g[1]) for g in gathered])
+    del model, criterion, loss
     # Tear down in lockstep: no DDP reducer left holding the gloo group, both ranks past their last
     # collective before either destroys it (a CI run once died with "terminate called without an active
     # exception" -- gloo threads torn down during interpreter exit).
@@ -83,8 +103,10 @@ def test_gradients_agree_across_ddp_ranks_in_every_mode(tmp_path):
     assert results["0.0 sum"]["soft"] and not results["0.0 sum"]["tf"]
     assert results["0.3 sample"]["soft"] and not results["0.3 sample"]["tf"]  # the draw took L_SOFT
     assert results["0.5 sum"]["soft"] and results["0.5 sum"]["tf"]
-    for case, r in results.items():
+    for case in map(" ".join, (map(str, c) for c in CASES)):
+        r = results[case]
         assert r["scale"] > 0 and r["max_diff"] <= 1e-6 * r["scale"], (case, r)
+    assert results["nan on rank 1"] == dict(loss_finite=[True, False], grads_finite=[False, False])
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
@@ -93,5 +115,7 @@ def test_without_running_inside_ddp_forward_the_ranks_drift(tmp_path):
     forward not run) leaves each rank with its own batch's gradient -- in every mode, since `sum` mode runs
     both losses' passes through that same route."""
     results = _run(tmp_path, route=False)
-    for case, r in results.items():
+    for case in map(" ".join, (map(str, c) for c in CASES)):
+        r = results[case]
         assert r["max_diff"] > 1e-3 * r["scale"], (case, r)
+    assert results["nan on rank 1"]["grads_finite"] == [True, False]  # no all-reduce: rank 0 never sees the NaN
