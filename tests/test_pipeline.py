@@ -235,8 +235,9 @@ def test_bad_input_files_are_one_line_errors_before_anything_is_written(tmp_path
         (data / "train.fr").write_bytes("caf\xe9\n".encode("latin-1") * 3)
     else:
         os.unlink(data / "val.fr")
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(SystemExit, match=match) as refused:
         run.run_pipeline(_tiny_config(tmp_path, train=data / "train", valid=data / "val", test=data / "test"))
+    assert len(str(refused.value).splitlines()) == 2  # "input error:" and this one problem, nothing else wrong
     assert not (tmp_path / "work").exists()
 
 
