@@ -20,6 +20,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # (rho, --teacher-forcing-mode): L_SOFT only; sample mode drawing L_SOFT (seed 0's draw is 0.496 > 0.3);
 # both losses (one encoder pass for both, the teacher-forcing decoder and the beam search in DDP's forward).
 CASES = [(0.0, "sum"), (0.3, "sample"), (0.5, "sum")]
+CASE_KEYS = [f"{rho} {mode}" for rho, mode in CASES]
 
 
 def _worker(rank, port, result_path, route):
@@ -33,41 +34,42 @@ def _worker(rank, port, result_path, route):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     d = dictionary(12)
-    results = {}
-    for rho, mode in CASES:
+
+    def update(rho, mode, nan_token=None):
+        """One update on this rank's own batch (a different one on each rank), the model wrapped as fairseq
+        wraps it, the embedding of ``nan_token`` NaN if given: (loss, logging output, flat gradient)."""
         model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(
             build("lstm", d, dtype=torch.float32, seed=0)))
+        if nan_token is not None:
+            with torch.no_grad():
+                model.module.module.encoder.embed_tokens.weight[nan_token].fill_(torch.nan)
         criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(d), criterion_module.SoftBeamSearchConfig(
             sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, teacher_forcing_mode=mode,
             soft_beam_size=3))
         torch.manual_seed(0)  # fairseq seeds every worker alike for each update: the same draw in sample mode
-        loss, _, log = criterion(model, batch(d, seed=rank + 1))  # a different batch on each rank
+        loss, _, log = criterion(model, batch(d, seed=rank + 1))
         loss.backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        gathered = [torch.empty_like(grads) for _ in range(2)]
-        dist.all_gather(gathered, grads)
-        results[f"{rho} {mode}"] = dict(max_diff=float((gathered[0] - gathered[1]).abs().max()),
-                                        scale=float(gathered[0].abs().max()), tf="tf_loss" in log,
-                                        soft="soft_loss" in log)
-        del model, criterion, loss
+        return loss.detach(), log, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def gather(values):
+        gathered = [torch.empty_like(values) for _ in range(2)]
+        dist.all_gather(gathered, values)
+        return gathered
+
+    results = {}
+    for key, (rho, mode) in zip(CASE_KEYS, CASES):
+        _, log, grads = update(rho, mode)
+        gathered = gather(grads)
+        results[key] = dict(max_diff=float((gathered[0] - gathered[1]).abs().max()),
+                            scale=float(gathered[0].abs().max()), tf="tf_loss" in log, soft="soft_loss" in log)
     # A NaN on one rank only (a token whose embedding is NaN, in rank 1's batch alone -- as a float16 overflow
     # would come): both ranks must finish the update with the same non-finite gradient, which fairseq's trainer
     # skips on every rank alike; the operator's error on rank 1 alone would leave rank 0 in the all-reduce.
     src = [set(batch(d, seed=r + 1)["net_input"]["src_tokens"].flatten().tolist()) for r in range(2)]
-    token = min(src[1] - src[0] - {d.pad()})
-    model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(build("lstm", d, dtype=torch.float32, seed=0)))
-    with torch.no_grad():
-        model.module.module.encoder.embed_tokens.weight[token].fill_(torch.nan)
-    criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(d), criterion_module.SoftBeamSearchConfig(
-        sentence_avg=False, teacher_forcing_ratio=0.0, soft_beam_size=3))
-    loss, _, _ = criterion(model, batch(d, seed=rank + 1))
-    loss.backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    finite = torch.tensor([float(torch.isfinite(loss)), float(torch.isfinite(grads).all())])
-    gathered = [torch.empty_like(finite) for _ in range(2)]
-    dist.all_gather(gathered, finite)
-    results["nan on rank 1"] = dict(loss_finite=[bool(g[0]) for g in gathered], grads_finite=[bool(g[1]) for g in gathered])
-    del model, criterion, loss
+    loss, _, grads = update(0.0, "sum", nan_token=min(src[1] - src[0] - {d.pad()}))
+    gathered = gather(torch.tensor([float(torch.isfinite(loss)), float(torch.isfinite(grads).all())]))
+    results["nan on rank 1"] = dict(loss_finite=[bool(g[0]) for g in gathered],
+                                    grads_finite=[bool(g[1]) for g in gathered])
     # Tear down in lockstep: no DDP reducer left holding the gloo group, both ranks past their last
     # collective before either destroys it (a CI run once died with "terminate called without an active
     # exception" -- gloo threads torn down during interpreter exit).
@@ -103,7 +105,7 @@ def test_gradients_agree_across_ddp_ranks_in_every_mode(tmp_path):
     assert results["0.0 sum"]["soft"] and not results["0.0 sum"]["tf"]
     assert results["0.3 sample"]["soft"] and not results["0.3 sample"]["tf"]  # the draw took L_SOFT
     assert results["0.5 sum"]["soft"] and results["0.5 sum"]["tf"]
-    for case in map(" ".join, (map(str, c) for c in CASES)):
+    for case in CASE_KEYS:
         r = results[case]
         assert r["scale"] > 0 and r["max_diff"] <= 1e-6 * r["scale"], (case, r)
     assert results["nan on rank 1"] == dict(loss_finite=[True, False], grads_finite=[False, False])
@@ -115,7 +117,7 @@ def test_without_running_inside_ddp_forward_the_ranks_drift(tmp_path):
     forward not run) leaves each rank with its own batch's gradient -- in every mode, since `sum` mode runs
     both losses' passes through that same route."""
     results = _run(tmp_path, route=False)
-    for case in map(" ".join, (map(str, c) for c in CASES)):
+    for case in CASE_KEYS:
         r = results[case]
         assert r["max_diff"] > 1e-3 * r["scale"], (case, r)
     assert results["nan on rank 1"]["grads_finite"] == [True, False]  # no all-reduce: rank 0 never sees the NaN

@@ -76,12 +76,11 @@ def test_topk_attention_trains_in_mixed_precision(device, regime, arch, mode):
     _train_updates(model, LabelSmoothedCrossEntropyCriterion(TinyTask(d), False, 0.1), sample, device, regime)
 
 
-def _overflow_in_forward(model, where):
+def _overflow_in_forward(projection):
     """Make the forward overflow as float16 can: +inf in a projection's bias (the scores it feeds come out
     +-inf or NaN)."""
     with torch.no_grad():
-        module = model.decoder.fc_out if where == "output" else model.decoder.layers[0].encoder_attn.q_proj
-        module.bias.fill_(torch.inf)
+        projection.bias.fill_(torch.inf)
 
 
 @pytest.mark.parametrize("setup", ["soft_beam_search-ot", "soft_beam_search-perturbed", "transformer_topk_attn-soft",
@@ -99,12 +98,12 @@ def test_a_forward_overflow_is_a_batch_fairseqs_loss_scaler_skips(setup):
         criterion = SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(
             sentence_avg=False, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_candidates=8,
             soft_topk_method=method, perturbed_samples=4))
-        _overflow_in_forward(model, "output")
+        _overflow_in_forward(model.decoder.fc_out)
     else:
         model = build(name, d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode=method,
                       topk_attn_layers="encoder-decoder")
         criterion = LabelSmoothedCrossEntropyCriterion(TinyTask(d), False, 0.1)
-        _overflow_in_forward(model, "attention")
+        _overflow_in_forward(model.decoder.layers[0].encoder_attn.q_proj)
     loss, _, _ = criterion(model, batch(d))
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.0)
