@@ -29,8 +29,9 @@ def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0,
     Raises SystemExit with one line per problem; prints a note on empty lines (they are kept). ``flag``: the
     command-line option the prefixes came from (default ``--SPLIT``)."""
     problems, counts = [], {}
+    texts = {}  # split -> (source lines, target lines) of the line-aligned splits, for the overlap count
     for split, prefix in splits.items():
-        lengths, empty = {}, {}
+        lines_of, empty = {}, {}
         for lang in langs:
             path = f"{prefix}.{lang}"
             if not os.path.isfile(path):
@@ -49,40 +50,34 @@ def check_inputs(splits: Dict[str, Optional[str]], langs, max_lines: int = 0,
             if not lines:
                 problems.append(f"{path}: empty file (no sentences to use for {split})")
                 continue
-            lengths[lang] = len(lines)
+            lines_of[lang] = lines
             empty[lang] = sum(1 for line in lines if not line.strip())
-        if len(lengths) == 2 and len(set(lengths.values())) > 1:
-            a, b = langs
-            problems.append(f"{prefix}: {lengths[a]} lines in .{a} but {lengths[b]} in .{b}; the files must be "
-                            "line-aligned translations of each other")
-        elif len(lengths) == 2:
-            counts[split] = lengths[langs[0]]
-            for lang, n in empty.items():
-                if n:
-                    print(f"note: {prefix}.{lang} has {n} empty line(s); kept (as empty sentences)")
+        if len(lines_of) < 2:
+            continue
+        a, b = langs
+        if len(lines_of[a]) != len(lines_of[b]):
+            problems.append(f"{prefix}: {len(lines_of[a])} lines in .{a} but {len(lines_of[b])} in .{b}; the files "
+                            "must be line-aligned translations of each other")
+            continue
+        counts[split] = len(lines_of[a])
+        texts[split] = lines_of[a], lines_of[b]
+        for lang, n in empty.items():
+            if n:
+                print(f"note: {prefix}.{lang} has {n} empty line(s); kept (as empty sentences)")
     if problems:
         raise SystemExit("input error:\n  " + "\n  ".join(problems))
-    if "train" in splits:
-        _note_held_out_pairs_in_train(splits, langs, max_lines)
+    if "train" in texts:
+        _note_held_out_pairs_in_train(splits, texts)
     return counts
 
 
-def _pairs(prefix: str, langs, limit: int = 0):
-    """The sentence pairs of ``PREFIX.LANG``, streamed (the first ``limit`` only, if > 0)."""
-    with open(f"{prefix}.{langs[0]}", encoding="utf-8") as a, open(f"{prefix}.{langs[1]}", encoding="utf-8") as b:
-        for i, pair in enumerate(zip(a, b)):
-            if 0 < limit <= i:
-                return
-            yield pair[0].rstrip("\n"), pair[1].rstrip("\n")
-
-
-def _note_held_out_pairs_in_train(splits: Dict[str, Optional[str]], langs, max_lines: int) -> None:
+def _note_held_out_pairs_in_train(splits: Dict[str, Optional[str]], texts) -> None:
     """Say how many pairs of each held-out split also occur in the training pairs (a held-out BLEU over them
-    measures recall, not translation); a warning when all do -- e.g. ``--test`` naming the training data. The
-    held-out pairs are held in memory, the training pairs streamed."""
-    held_out = {split: list(_pairs(prefix, langs)) for split, prefix in splits.items() if split != "train"}
+    measures recall, not translation); a warning when all do -- e.g. ``--test`` naming the training data.
+    ``texts``: split -> (source lines, target lines), as :func:`check_inputs` read them."""
+    held_out = {split: list(zip(*lines)) for split, lines in texts.items() if split != "train"}
     wanted = {pair for pairs in held_out.values() for pair in pairs}
-    seen = {pair for pair in _pairs(splits["train"], langs, max_lines) if pair in wanted}
+    seen = {pair for pair in zip(*texts["train"]) if pair in wanted}
     for split, pairs in held_out.items():
         found = sum(pair in seen for pair in pairs)
         if found == len(pairs):
