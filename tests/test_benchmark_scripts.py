@@ -376,6 +376,7 @@ def test_count_host_ops_prints_its_table():
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) >= 8
     counts = {(r[1].strip(), r[2].strip(), r[3].strip()): int(r[4]) for r in rows}
+    assert all(0 < int(r[4]) <= int(r[5]) for r in rows)  # views left out, then counted too
     # the fused unsorted call is a handful of host operations (one kernel each way), the PyTorch path's hundreds
     for backend in ("cpu", "triton") if ("triton", "paper", "unsorted") in counts else ("cpu",):
         assert counts[(backend, "paper", "unsorted")] < counts[("torch", "paper", "unsorted")] / 5
