@@ -111,7 +111,7 @@ def child(cfg):
         criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
             sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=cfg["rho"], soft_beam_size=cfg["beam"],
             soft_beam_candidates=cfg["candidates"], soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"],
-            perturbed_samples=cfg["samples"]))
+            perturbed_samples=cfg["samples"], teacher_forcing_pass=cfg["tf_pass"]))
     seconds, log, peak = time_updates(model, criterion, sample, device, cfg["repeats"])
     print(json.dumps({"seconds": seconds, "peak_mib": peak,
                       "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),
@@ -148,11 +148,14 @@ def main():
                    help="--soft-topk-method values to run (each at the criterion's default temperature / sigma)")
     p.add_argument("--perturbed-samples", type=int, default=PERTURBED_SAMPLES)
     p.add_argument("--scaling", default="paper", choices=["paper", "none"], help="--soft-topk-scaling")
+    p.add_argument("--teacher-forcing-passes", nargs="+", default=["search", "separate"],
+                   choices=["search", "separate"], help="--teacher-forcing-pass values of the sum-mode rows")
     add_batch_arguments(p, repeats=3)
     a = p.parse_args()
     if a.child:
         return child(json.loads(a.child))
-    base = dict(batch_config(a), beam=a.beam, rho=a.rho, scaling=a.scaling, samples=a.perturbed_samples)
+    base = dict(batch_config(a), beam=a.beam, rho=a.rho, scaling=a.scaling, samples=a.perturbed_samples,
+                tf_pass=a.teacher_forcing_passes[0])
 
     def measure(**cfg):
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**base, **cfg})],
@@ -173,8 +176,9 @@ def main():
               f"| 1.00 | - | - |", flush=True)
         for method, m in ((method, m) for method in a.methods for m in a.candidates):
             label = "all (exact)" if m <= 0 else str(m)
-            rows = [(f"soft_beam_search, rho {a.rho}, sum",
-                     measure(arch=arch, criterion="soft", candidates=m, method=method))]
+            rows = [(f"soft_beam_search, rho {a.rho}, sum, teacher forcing {tf_pass}",
+                     measure(arch=arch, criterion="soft", candidates=m, method=method, tf_pass=tf_pass))
+                    for tf_pass in a.teacher_forcing_passes]
             if 0 < a.rho < 1:
                 only = measure(arch=arch, criterion="soft", candidates=m, rho=0.0, method=method)
                 rows.append(("soft_beam_search, rho 0 (L_SOFT only)", only))

@@ -106,10 +106,11 @@ def count_update(backend, update):
     return mode, sum(mode.ops[name] for name in SYNCS)
 
 
-def count_soft_beam(backend, top, rho):
+def count_soft_beam(backend, top, rho, teacher_forcing_pass):
     """One soft beam-search update of the demo LSTM (beam 5, eps 0.1 paper scaling, M 50; ``rho``, 0.8 by
-    default) on a small batch (8 sentences, target length 8: 7 soft_topk calls): the criterion's loss and its
-    backward -- and, for scale, one teacher-forcing update (label_smoothed_cross_entropy) of the same batch."""
+    default; ``--teacher-forcing-pass``, ``search`` by default: what ``auto`` runs on a GPU) on a small batch (8
+    sentences, target length 8: 7 soft_topk calls): the criterion's loss and its backward -- and, for scale, one
+    teacher-forcing update (label_smoothed_cross_entropy) of the same batch."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_soft_beam import build_model_and_sample
     from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
@@ -120,13 +121,13 @@ def count_soft_beam(backend, top, rho):
     model, task, sample, _ = build_model_and_sample(cfg)
     criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
         sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, soft_beam_size=5, soft_beam_candidates=50,
-        soft_topk_scaling="paper"))
+        soft_topk_scaling="paper", teacher_forcing_pass=teacher_forcing_pass))
     mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
     teacher_forcing = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
     tf_mode, tf_syncs = count_update(backend, lambda: teacher_forcing(model, sample)[0].backward())
     ops, tf_ops = sum(mode.sources.values()), sum(tf_mode.sources.values())
     print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, rho {rho:g}, beam 5, M 50, paper "
-          f"scaling), backend {backend}: {ops} tensor operations (views left out), {syncs} synchronisations; "
+          f"scaling, teacher forcing {teacher_forcing_pass}), backend {backend}: {ops} tensor operations (views left out), {syncs} synchronisations; "
           f"teacher forcing on the same batch: {tf_ops} operations, {tf_syncs} synchronisations "
           f"({ops / tf_ops:.2f}x the operations)\n\n| issued in | operations |\n|---|---|")
     for where, n in mode.sources.most_common(top):
@@ -165,9 +166,11 @@ def main():
                         help="--soft-beam, --topk-attention: the soft_topk backend")
     parser.add_argument("--top", type=int, default=20, help="--soft-beam: rows of the table")
     parser.add_argument("--rho", type=float, default=0.8, help="--soft-beam: the teacher-forcing ratio")
+    parser.add_argument("--teacher-forcing-pass", default="search", choices=["search", "separate"],
+                        help="--soft-beam: the criterion's --teacher-forcing-pass (auto runs search on a GPU)")
     args = parser.parse_args()
     if args.soft_beam:
-        count_soft_beam(args.backend, args.top, args.rho)
+        count_soft_beam(args.backend, args.top, args.rho, args.teacher_forcing_pass)
         return
     if args.topk_attention:
         count_topk_attention(args.backend)

@@ -17,10 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# (rho, --teacher-forcing-mode): L_SOFT only; sample mode drawing L_SOFT (seed 0's draw is 0.496 > 0.3);
-# both losses (one encoder pass for both, the teacher-forcing decoder and the beam search in DDP's forward).
-CASES = [(0.0, "sum"), (0.3, "sample"), (0.5, "sum")]
-CASE_KEYS = [f"{rho} {mode}" for rho, mode in CASES]
+# (rho, --teacher-forcing-mode, --teacher-forcing-pass): L_SOFT only; sample mode drawing L_SOFT (seed 0's draw
+# is 0.496 > 0.3); both losses (one encoder pass for both, the teacher-forcing decoder and the beam search in
+# DDP's forward), and both from the beam search's decoder steps (its teacher-forced rows).
+CASES = [(0.0, "sum", "auto"), (0.3, "sample", "auto"), (0.5, "sum", "separate"), (0.5, "sum", "search")]
+CASE_KEYS = [" ".join(map(str, case)) for case in CASES]
 
 
 def _worker(rank, port, result_path, route):
@@ -35,7 +36,7 @@ def _worker(rank, port, result_path, route):
     torch.set_num_threads(1)
     d = dictionary(12)
 
-    def update(rho, mode, nan_token=None):
+    def update(rho, mode, tf_pass="auto", nan_token=None):
         """One update on this rank's own batch (a different one on each rank), the model wrapped as fairseq
         wraps it, the embedding of ``nan_token`` NaN if given: (loss, logging output, flat gradient)."""
         model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(
@@ -45,7 +46,7 @@ def _worker(rank, port, result_path, route):
                 model.module.module.encoder.embed_tokens.weight[nan_token].fill_(torch.nan)
         criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(d), criterion_module.SoftBeamSearchConfig(
             sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, teacher_forcing_mode=mode,
-            soft_beam_size=3))
+            teacher_forcing_pass=tf_pass, soft_beam_size=3))
         torch.manual_seed(0)  # fairseq seeds every worker alike for each update: the same draw in sample mode
         loss, _, log = criterion(model, batch(d, seed=rank + 1))
         loss.backward()
@@ -57,8 +58,8 @@ def _worker(rank, port, result_path, route):
         return gathered
 
     results = {}
-    for key, (rho, mode) in zip(CASE_KEYS, CASES):
-        _, log, grads = update(rho, mode)
+    for key, case in zip(CASE_KEYS, CASES):
+        _, log, grads = update(*case)
         gathered = gather(grads)
         results[key] = dict(max_diff=float((gathered[0] - gathered[1]).abs().max()),
                             scale=float(gathered[0].abs().max()), tf="tf_loss" in log, soft="soft_loss" in log)
@@ -102,9 +103,10 @@ def _run(tmp_path, route):
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_gradients_agree_across_ddp_ranks_in_every_mode(tmp_path):
     results = _run(tmp_path, route=True)
-    assert results["0.0 sum"]["soft"] and not results["0.0 sum"]["tf"]
-    assert results["0.3 sample"]["soft"] and not results["0.3 sample"]["tf"]  # the draw took L_SOFT
-    assert results["0.5 sum"]["soft"] and results["0.5 sum"]["tf"]
+    assert results["0.0 sum auto"]["soft"] and not results["0.0 sum auto"]["tf"]
+    assert results["0.3 sample auto"]["soft"] and not results["0.3 sample auto"]["tf"]  # the draw took L_SOFT
+    for tf_pass in ("separate", "search"):
+        assert results[f"0.5 sum {tf_pass}"]["soft"] and results[f"0.5 sum {tf_pass}"]["tf"]
     for case in CASE_KEYS:
         r = results[case]
         assert r["scale"] > 0 and r["max_diff"] <= 1e-6 * r["scale"], (case, r)

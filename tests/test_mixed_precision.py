@@ -52,11 +52,13 @@ def _train_updates(model, criterion, sample, device, regime, updates=3):
 
 @pytest.mark.parametrize("device,regime", REGIMES)
 @pytest.mark.parametrize("arch", ["lstm", "transformer", "rnnsearch"])
-def test_soft_beam_search_trains_in_mixed_precision(device, regime, arch):
+@pytest.mark.parametrize("tf_pass", ["auto", "search"])  # auto: separate on CPU, search on CUDA
+def test_soft_beam_search_trains_in_mixed_precision(device, regime, arch, tf_pass):
     d = dictionary(12)
     model, sample = _prepare(build(arch, d, dtype=torch.float32, dropout=0.1), batch(d), device, regime)
     criterion = SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(
-        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_candidates=8))
+        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_candidates=8,
+        teacher_forcing_pass=tf_pass))
     logs = _train_updates(model, criterion, sample, device, regime)
     for log in logs:
         for key in ("tf_loss", "soft_loss"):

@@ -55,6 +55,16 @@ def test_perturbed_relaxation_trains_from_the_command_line(data_bin, tmp_path):
     assert "pruned_mass=" in logs[0] and "soft_topk_method='perturbed'" in logs[0]
 
 
+def test_teacher_forcing_in_the_search_trains_from_the_command_line(data_bin, tmp_path):
+    """--teacher-forcing-pass search (auto's choice on a GPU) on CPU: trains with both losses logged, and the same
+    seed gives the same losses."""
+    extra = ["--teacher-forcing-pass", "search"]
+    logs = [fairseq("train", *train_args(data_bin, tmp_path / f"s{i}", "transformer", 2, *extra)).stdout
+            for i in range(2)]
+    assert len(losses(logs[0])) == 2 and losses(logs[0]) == losses(logs[1]), logs[0][-3000:]
+    assert "teacher_forcing_pass='search'" in logs[0]
+
+
 def test_update_freq_and_seed_reproduce(data_bin, tmp_path):
     """Same seed -> identical losses; --update-freq 2 accumulates two --max-tokens batches per update."""
     runs = [fairseq("train", *train_args(data_bin, tmp_path / f"r{i}", "lstm", 3, "--update-freq", "2")).stdout

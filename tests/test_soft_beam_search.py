@@ -58,6 +58,23 @@ def test_soft_token_input_replaces_only_the_pending_lookup():
     assert torch.equal(emb(tokens), emb.weight[tokens])  # hook removed on exit
 
 
+def test_soft_token_input_feeds_the_first_rows_of_each_group():
+    """Pending (groups, s, dim) for g > s rows per group: the first s rows of each group get the soft inputs, the
+    others their own tokens' embeddings (the soft beam search's beams, then a teacher-forced row)."""
+    emb = torch.nn.Embedding(10, 4)
+    tokens = torch.tensor([[1], [2], [3], [4], [5], [6]])  # 2 groups of 3 rows
+    soft = torch.randn(2, 2, 4)
+    with SoftTokenInput(emb) as hook:
+        hook.pending = soft
+        out = emb(tokens).view(2, 3, 4)
+        assert torch.equal(out[:, :2], soft)
+        assert torch.equal(out[:, 2], emb.weight[[3, 6]])
+        for bad in (torch.randn(4, 1, 4), torch.randn(2, 4, 4), torch.randn(2, 2, 5)):  # 6 rows in 4 groups; 4 > 3
+            hook.pending = bad
+            with pytest.raises(RuntimeError, match="does not match"):
+                emb(tokens)
+
+
 # ------------------------------------------------------------- epsilon -> 0 is fairseq's beam search ----
 
 @pytest.mark.parametrize("bookkeeping", ["argmax", "topk"])
@@ -417,6 +434,67 @@ def test_sum_mode_runs_the_encoder_once_for_both_losses(arch):
     torch.testing.assert_close(loss, shared_loss)
     for a, b in zip(grads, shared_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_teacher_forced_rows_leave_the_beams_alone_and_give_teacher_forcing_log_probs(arch):
+    """One teacher-forced row per sentence beside the beams: the beams' search is unchanged, and the row's
+    log-probabilities are fairseq's own incremental decoding of the gold prefix (to rounding) -- which is its full
+    pass's at the real positions (to float32 rounding: the full transformer pass computes its attention softmax
+    in float32 even for a float64 model)."""
+    d = dictionary(12)
+    model = build(arch, d).eval()
+    sample = batch(d)
+    ni = sample["net_input"]
+    T = sample["target"].shape[1]
+    with torch.no_grad():
+        plain = run(model, sample, d, beam=3, epsilon=0.5, candidates=6)
+        joint = run(model, sample, d, beam=3, epsilon=0.5, candidates=6, teacher_forcing=ni["prev_output_tokens"])
+        encoder_out, state = model.encoder(ni["src_tokens"], src_lengths=ni["src_lengths"]), {}
+        incremental = torch.stack([torch.log_softmax(model.decoder(
+            ni["prev_output_tokens"][:, :t + 1], encoder_out=encoder_out, incremental_state=state)[0][:, -1], -1)
+            for t in range(T)], 1)
+        full = torch.log_softmax(model(**ni)[0], -1)
+    assert plain.teacher_forced_lprobs is None
+    assert torch.equal(joint.hypotheses, plain.hypotheses)
+    for name in ("nll", "hypothesis_scores", "solver_iterations", "solver_error", "pruned_mass"):
+        torch.testing.assert_close(getattr(joint, name), getattr(plain, name), rtol=0, atol=1e-12)
+    torch.testing.assert_close(joint.teacher_forced_lprobs, incremental, rtol=0, atol=1e-12)
+    real = sample["target"].ne(d.pad())
+    torch.testing.assert_close(joint.teacher_forced_lprobs[real], full[real], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="teacher_forcing of shape"):
+        run(model, sample, d, beam=3, teacher_forcing=ni["prev_output_tokens"][:, 1:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_teacher_forcing_in_the_search_is_the_separate_pass_in_one_decoder_call_per_step(arch):
+    """``--teacher-forcing-pass search``: the sum-mode loss, its logs and gradients of ``separate`` (to the float32
+    rounding of fairseq's own normalisation there), with one decoder call per target position instead of one more
+    for teacher forcing; ``auto`` is ``separate`` on CPU."""
+    d = dictionary(12)
+    model = build(arch, d, dtype=torch.float64)
+    sample = batch(d)
+    task = TinyTask(d)
+    calls = []
+    model.decoder.register_forward_hook(lambda *args: calls.append(1))
+    runs = {}
+    for tf_pass in ("separate", "search", "auto"):
+        calls.clear()
+        criterion = _criterion(task, 0.6, soft_topk_epsilon=0.5, teacher_forcing_pass=tf_pass, report_accuracy=True)
+        runs[tf_pass] = (*_loss_and_grads(criterion, model, sample), len(calls))
+    T = sample["target"].shape[1]
+    (loss, grads, log, calls_search), (ref_loss, ref_grads, ref_log, calls_separate) = runs["search"], runs["separate"]
+    assert (calls_search, calls_separate) == (T, T + 1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for key in ("tf_loss", "soft_loss", "nll_loss"):
+        assert math.isclose(float(log[key]), float(ref_log[key]), rel_tol=1e-6), key
+    assert (log["n_correct"], log["total"]) == (ref_log["n_correct"], ref_log["total"])
+    scale = max(float(g.abs().max()) for g in ref_grads)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)
+    auto_loss, auto_grads, _, calls_auto = runs["auto"]
+    assert calls_auto == T + 1 and torch.equal(auto_loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(auto_grads, ref_grads))
 
 
 def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):

@@ -23,10 +23,18 @@ encoder-then-decoder forwards (:data:`ENCODER_THEN_DECODER`: the transformer, LS
 models, and every architecture of this plugin): the teacher-forcing decoder and the beam search read the same
 encoder output -- the same dropout mask on it, an unbiased estimate of the same objective -- in one pass through
 the (DDP) wrapper's ``forward``. Other models run their own ``forward`` for ``L_tf`` and the encoder again.
+With ``--teacher-forcing-pass search`` those models' ``L_tf`` comes from the beam search's own decoder steps:
+each step decodes one teacher-forced row per sentence beside its ``k`` beams (fed the gold prefix, its state
+never mixed), so one decoder call per step serves both losses instead of a second decoder pass -- fairseq's
+incremental decoding computes what its full pass does (tested: the same loss and gradients without dropout).
+On a GPU, where an update is bound by kernel launches, that removes the teacher-forcing pass's launches (27 %
+of an LSTM update's operations, counted); on a CPU, bound by arithmetic, it is no faster (docs/results.md).
+``separate`` runs the decoder's full teacher-forcing pass as ``label_smoothed_cross_entropy`` does; ``auto``
+(the default) is ``search`` for CUDA batches and ``separate`` otherwise.
 """
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from fairseq import metrics, utils
@@ -45,10 +53,21 @@ from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, PERTURBED_SA
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
+TEACHER_FORCING_PASSES = ("auto", "search", "separate")
+
+
 @dataclass
 class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
     teacher_forcing_ratio: float = field(
         default=0.8, metadata={"help": "rho in L = rho * L_tf + (1 - rho) * L_SOFT (1 = teacher forcing only)"})
+    teacher_forcing_pass: ChoiceEnum(TEACHER_FORCING_PASSES) = field(
+        default="auto", metadata={"help": "where --teacher-forcing-mode sum computes L_tf: 'search' decodes one "
+                                          "teacher-forced row per sentence in the beam search's own decoder steps "
+                                          "(one decoder call per step for both losses: fewer kernel launches on "
+                                          "a GPU), 'separate' runs the decoder's full teacher-forcing pass, "
+                                          "'auto' is 'search' for CUDA batches and 'separate' otherwise; the same "
+                                          "loss up to dropout masks and rounding (models with a forward of their "
+                                          "own: always 'separate')"})
     teacher_forcing_mode: ChoiceEnum(["sum", "sample"]) = field(
         default="sum", metadata={"help": "'sum': both losses on every batch, weighted (the paper); 'sample': each "
                                          "batch uses L_tf with probability rho, else L_SOFT -- the same "
@@ -151,6 +170,13 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
     return problems
 
 
+class TeacherForcedLogProbs(NamedTuple):
+    """Teacher forcing's log-probabilities (bsz, T, V), computed by the beam search's teacher-forced rows: what
+    the criterion hands fairseq's loss and accuracy code in place of the decoder's output."""
+
+    lprobs: torch.Tensor
+
+
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
@@ -171,6 +197,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError("soft_beam_search: " + "; ".join(problems))
         self.rho = cfg.teacher_forcing_ratio
         self.sample_mode = str(cfg.teacher_forcing_mode) == "sample"
+        self.teacher_forcing_pass = str(cfg.teacher_forcing_pass)
         method = str(cfg.soft_topk_method)
         self.search_options = dict(
             beam=cfg.soft_beam_size, relaxation=method,
@@ -183,42 +210,67 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     def forward(self, model, sample, reduce=True):
         if not reduce:
             raise ValueError("soft_beam_search only computes reduced losses")
-        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
-        logging_output = {"ntokens": sample["ntokens"], "nsentences": sample["target"].size(0),
-                          "sample_size": sample_size}
-        loss = tf_loss = nll_loss = None
+        use_tf, use_soft = self._losses_this_batch()
+        net_output, out = self._run_model(model, sample, use_tf, use_soft)
+        return self._loss_and_logs(model, sample, net_output, out)
+
+    def _losses_this_batch(self) -> Tuple[bool, bool]:
+        """Whether this batch computes L_tf and L_SOFT: both in ``sum`` mode (unless rho is 0 or 1), one drawn in
+        ``sample`` mode."""
         use_tf, use_soft = self.rho > 0, self.rho < 1
         if self.sample_mode and use_tf and use_soft:
             # One draw per batch from torch's RNG, which fairseq seeds per update: reproducible, and the same
             # on every worker. Unbiased: E[L] = rho * L_tf + (1 - rho) * L_SOFT.
             use_tf = bool(torch.rand(()) < self.rho)
             use_soft = not use_tf
+        return use_tf, use_soft
+
+    def _run_model(self, model, sample, use_tf: bool, use_soft: bool):
+        """The model's passes for this batch: teacher forcing's output (the decoder's, or the search's
+        :class:`TeacherForcedLogProbs`; None without L_tf) and the beam search's (None without L_SOFT), at least
+        one of them through DDP's ``forward`` (module docstring)."""
         net_input = sample["net_input"]
 
-        def search(m, encoder_out=None):
+        def search(m, encoder_out=None, teacher_forcing=None):
             return soft_beam_search(m, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
                                     pad=self.padding_idx, eos=self.eos, encoder_out=encoder_out,
-                                    **self.search_options)
+                                    teacher_forcing=teacher_forcing, **self.search_options)
 
-        net_output = out = None
         if use_tf and use_soft and _encoder_then_decoder(model):
-            # Both losses from one encoder pass (and one dropout mask on it), inside DDP's forward.
+            # Both losses from one encoder pass (and one dropout mask on it), inside DDP's forward; L_tf from the
+            # search's teacher-forced rows, or from the decoder's own pass.
+            in_search = self.teacher_forcing_pass == "search" or (self.teacher_forcing_pass == "auto"
+                                                                  and sample["target"].is_cuda)
+
             def both(m):
                 encoder_out = m.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+                if in_search:
+                    searched = search(m, encoder_out, teacher_forcing=net_input["prev_output_tokens"])
+                    return TeacherForcedLogProbs(searched.teacher_forced_lprobs), searched
                 return m.decoder(net_input["prev_output_tokens"], encoder_out=encoder_out), search(m, encoder_out)
 
-            net_output, out = run_inside_ddp_forward(model, both)
-        if use_tf:
+            return run_inside_ddp_forward(model, both)
+        net_output = model(**net_input) if use_tf else None
+        if not use_soft:
+            return net_output, None
+        # Without a teacher-forcing pass in this batch, DDP's forward has not run: run the search in it.
+        return net_output, search(model) if use_tf else run_inside_ddp_forward(model, search)
+
+    def _loss_and_logs(self, model, sample, net_output, out):
+        """``rho * L_tf + (1 - rho) * L_SOFT`` from the passes :meth:`_run_model` ran (one of the two terms when
+        the other pass did not run), fairseq's sample size and the logging output."""
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {"ntokens": sample["ntokens"], "nsentences": sample["target"].size(0),
+                          "sample_size": sample_size}
+        loss = tf_loss = nll_loss = None
+        if net_output is not None:
             tf_loss, tf_log = self._teacher_forcing_loss(model, sample, net_output)
             nll_loss = tf_log.pop("nll_loss")
             logging_output.update(tf_log)
             logging_output["tf_loss"] = tf_loss.data
             logging_output["tf_ntokens"] = sample["ntokens"]
             loss = tf_loss
-        if use_soft:
-            if out is None:
-                # Without a teacher-forcing pass in this batch, DDP's forward has not run: run the search in it.
-                out = search(model) if use_tf else run_inside_ddp_forward(model, search)
+        if out is not None:
             soft_loss = out.nll.sum()
             loss = soft_loss if loss is None else self.rho * tf_loss + (1 - self.rho) * soft_loss
             if nll_loss is None:
@@ -236,11 +288,17 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         logging_output["nll_loss"] = nll_loss
         return loss, sample_size, logging_output
 
-    def _teacher_forcing_loss(self, model, sample, net_output=None):
-        """label_smoothed_cross_entropy's loss on ``net_output`` (the model's forward on the batch if None) and its
-        logs: ``nll_loss``, and ``n_correct`` / ``total`` with ``--report-accuracy``."""
-        if net_output is None:
-            net_output = model(**sample["net_input"])
+    def get_lprobs_and_target(self, model, net_output, sample):
+        """fairseq's, and for the search's teacher-forced rows (:class:`TeacherForcedLogProbs`) their
+        log-probabilities as they are (``--ignore-prefix-size`` is 0 here)."""
+        if isinstance(net_output, TeacherForcedLogProbs):
+            return net_output.lprobs.reshape(-1, net_output.lprobs.size(-1)), sample["target"].view(-1)
+        return super().get_lprobs_and_target(model, net_output, sample)
+
+    def _teacher_forcing_loss(self, model, sample, net_output):
+        """label_smoothed_cross_entropy's loss on ``net_output`` (the decoder's output, or the search's
+        :class:`TeacherForcedLogProbs`) and its logs: ``nll_loss``, and ``n_correct`` / ``total`` with
+        ``--report-accuracy``."""
         loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
         log = {"nll_loss": nll_loss.data}
         if self.report_accuracy:

@@ -59,6 +59,8 @@ class SoftBeamOutput(NamedTuple):
     solver_iterations: Tensor  # (steps,) mean solver iterations per step (0 without a solver)
     solver_error: Tensor       # (steps,) max marginal error per step (0 without a solver)
     pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
+    # (bsz, T, V) the teacher-forced rows' log-probabilities (differentiable); None without ``teacher_forcing``
+    teacher_forced_lprobs: Optional[Tensor] = None
 
 
 class Relaxed(NamedTuple):
@@ -361,7 +363,8 @@ class _Trace:
         self.parents.append(step.parent)
         self.tokens.append(step.token)
 
-    def output(self, lengths: Tensor, pad: int, eos: int) -> SoftBeamOutput:
+    def output(self, lengths: Tensor, pad: int, eos: int,
+               teacher_forced_lprobs: Optional[Tensor] = None) -> SoftBeamOutput:
         nll, hyps, ranked_scores = _backtrack(self.final_lp, self.gold_lp, self.parents, self.tokens, lengths,
                                               pad, eos)
         zero = torch.zeros(max(len(self.final_lp) - 1, 1), device=self.device)  # one 0 per step without a solver
@@ -373,14 +376,55 @@ class _Trace:
             solver_error=torch.stack(self.errors).float().amax(1) if self.errors else zero,
             pruned_mass=(torch.stack(self.pruned).sum(0) if self.pruned
                          else torch.zeros(self.bsz, device=self.device)),
+            teacher_forced_lprobs=teacher_forced_lprobs,
         )
+
+
+class _TeacherForcedRows:
+    """The teacher-forced row each sentence decodes after its ``k`` beams (``soft_beam_search``'s
+    ``teacher_forcing``): fed ``prev_output_tokens``, continuing itself, its state never mixed with the beams'
+    (mixing weight exactly 1 on itself, 0 on the beams); its log-probabilities collected step by step."""
+
+    def __init__(self, prev_output_tokens: Tensor, k: int):
+        self.inputs, self.k = prev_output_tokens, k
+        bsz = prev_output_tokens.shape[0]
+        self.itself = prev_output_tokens.new_full((bsz, 1), k)
+        self.own_weight = torch.zeros(k + 1, k + 1, device=prev_output_tokens.device)
+        self.own_weight[k, k] = 1
+        self.steps: List[Tensor] = []
+
+    def append_to(self, tokens: Tensor, t: int) -> Tensor:
+        """(bsz, k, 1) the beams' next tokens -> (bsz, k + 1, 1) with the gold input of step ``t`` appended."""
+        return torch.cat([tokens, self.inputs[:, t, None, None]], 1)
+
+    def split(self, lprobs: Tensor) -> Tensor:
+        """(bsz, k + 1, V) one step's log-probabilities -> the beams' (bsz, k, V); keeps the teacher-forced row's.
+        One ``split`` (its backward: one ``cat``), not two slices (each a zero-filled full-size gradient)."""
+        beams, teacher = lprobs.split([self.k, 1], dim=1)
+        self.steps.append(teacher)
+        return beams
+
+    def parent(self, parent: Tensor) -> Tensor:
+        """(bsz, k) -> (bsz, k + 1): the teacher-forced row continues itself."""
+        return torch.cat([parent, self.itself], 1)
+
+    def mix(self, mixing: Tensor) -> Tensor:
+        """(bsz, k, k) the beams' state mixing (eq. (10)) -> (bsz, k + 1, k + 1), the teacher-forced row kept."""
+        if self.own_weight.dtype != mixing.dtype:  # once per search
+            self.own_weight = self.own_weight.to(mixing.dtype)
+        return torch.nn.functional.pad(mixing, (0, 1, 0, 1)) + self.own_weight
+
+    def lprobs(self) -> Tensor:
+        """(bsz, T, V) the teacher-forced rows' log-probabilities at every step."""
+        return torch.cat(self.steps, 1)
 
 
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
                      beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
                      candidates: int = 0, bookkeeping: str = "argmax",
-                     samples: int = PERTURBED_SAMPLES, encoder_out=None) -> SoftBeamOutput:
+                     samples: int = PERTURBED_SAMPLES, encoder_out=None,
+                     teacher_forcing: Optional[Tensor] = None) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
@@ -397,8 +441,15 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
             ``"topk"`` (beam l continues the l-th best candidate). With a smooth ``A`` several ranks can share
             one argmax -- duplicate beams; ``"topk"`` keeps k distinct hypotheses. Both agree as eps -> 0.
-        encoder_out: ``model.encoder``'s output for ``src_tokens`` when the caller has it already (the
-            criterion's teacher-forcing pass); computed here otherwise.
+        encoder_out: ``model.encoder``'s output for ``src_tokens`` when the caller has it already; computed
+            here otherwise.
+        teacher_forcing: (bsz, T) the decoder's teacher-forcing input (fairseq's ``prev_output_tokens``), or
+            None. Given, every step also decodes one teacher-forced row per sentence (after its ``k`` beams, fed
+            the gold prefix, its state never mixed), and the output's ``teacher_forced_lprobs`` hold its
+            log-probabilities: teacher forcing's loss from the search's own decoder calls -- one call per step
+            for both losses instead of a second decoder pass. fairseq's incremental decoding computes what its
+            full pass does, so these are the full pass's log-probabilities (tested; up to rounding and, in
+            training, dropout masks).
     """
     problems = search_option_problems(beam, candidates)
     if bookkeeping not in BOOKKEEPING:
@@ -417,24 +468,35 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     lengths = target.ne(pad).sum(1)  # incl. eos
     if bool((lengths < 1).any()):
         raise ValueError("soft_beam_search: empty target")
+    if teacher_forcing is not None and teacher_forcing.shape != target.shape:
+        raise ValueError(f"soft_beam_search: teacher_forcing of shape {tuple(teacher_forcing.shape)} must be "
+                         f"shaped like target {tuple(target.shape)} (fairseq's prev_output_tokens)")
+    # Decoder rows per sentence: its k beams, then its teacher-forced row if asked.
+    rows = k + (teacher_forcing is not None)
 
     if encoder_out is None:
         encoder_out = model.encoder(src_tokens, src_lengths=src_lengths)
-    expand = torch.arange(bsz, device=device).repeat_interleave(k)
+    expand = torch.arange(bsz, device=device).repeat_interleave(rows)
     encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
     incremental_state = {}
-    prefix = torch.full((bsz * k, 1), eos, dtype=torch.long, device=device)
+    prefix = torch.full((bsz, k, 1), eos, dtype=torch.long, device=device)
     banned = torch.tensor([pad, eos], device=device)
-    base = (torch.arange(bsz, device=device) * k).unsqueeze(1)
+    base = (torch.arange(bsz, device=device) * rows).unsqueeze(1)
     trace = _Trace(bsz, device)
     cum: Optional[Tensor] = None
+    teacher = None if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k)
+    if teacher is not None:
+        prefix = teacher.append_to(prefix, 0)
+    prefix = prefix.view(bsz * rows, 1)
 
     with SoftTokenInput(embed) as soft_input:
         for t in range(T):
             net_output = decoder(prefix, encoder_out=encoder_out, incremental_state=incremental_state)
             lprobs = _log_probs(model, net_output)
             V = lprobs.shape[-1]
-            lprobs = lprobs.view(bsz, k, V)
+            lprobs = lprobs.view(bsz, rows, V)
+            if teacher is not None:
+                lprobs = teacher.split(lprobs)
             if cum is None:  # step 0: one live beam
                 cum = lprobs.new_full((bsz, k), -torch.inf)
                 cum[:, 0] = 0
@@ -445,10 +507,13 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             trace.step(step)
             cum = step.cum
             # The next step's input: the decoder state mixed (eq. (10)) and the soft tokens (eq. (9)).
-            order = (base + step.parent).view(-1)
             mixing, soft = _soft_order_and_input(step.relaxed.A, step.candidates, embed, V)
+            parent, token = step.parent, step.token.unsqueeze(-1)
+            if teacher is not None:
+                parent, token, mixing = teacher.parent(parent), teacher.append_to(token, t + 1), teacher.mix(mixing)
+            order = (base + parent).view(-1)
             decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, mixing))
-            prefix = torch.cat([prefix[order], step.token.view(-1, 1)], 1)
-            soft_input.pending = soft.reshape(bsz * k, 1, -1)
+            prefix = torch.cat([prefix[order], token.view(-1, 1)], 1)
+            soft_input.pending = soft  # the beams' rows; a teacher-forced row keeps its gold token's embedding
 
-    return trace.output(lengths, pad, eos)
+    return trace.output(lengths, pad, eos, None if teacher is None else teacher.lprobs())

@@ -71,8 +71,11 @@ class SoftOrder(Tensor):
 class SoftTokenInput:
     """Context manager installing a forward hook on ``embedding`` (a decoder's ``embed_tokens``).
 
-    While installed, setting :attr:`pending` to a ``(N, 1, dim)`` tensor makes the next lookup of an
-    ``(N, 1)`` token tensor return it instead of the looked-up embeddings; other lookups are untouched.
+    While installed, setting :attr:`pending` to a ``(groups, s, dim)`` tensor makes the next lookup of an
+    ``(N, 1)`` token tensor (``N = groups * g``, ``g >= s``) return it in the first ``s`` rows of every group of
+    ``g`` rows, and the looked-up embeddings in the others (``s = g``: all of them, e.g. ``pending`` of shape
+    ``(N, 1, dim)``); other lookups are untouched. The soft beam search's groups are its sentences: ``s`` beams
+    fed soft tokens, then (``g = s + 1``) a teacher-forced row fed its gold token.
     """
 
     def __init__(self, embedding: nn.Module):
@@ -84,11 +87,17 @@ class SoftTokenInput:
         if self.pending is None:
             return None
         soft, self.pending = self.pending, None
-        if soft.shape != output.shape:
+        groups, s, dim = soft.shape
+        n = output.shape[0]
+        if output.shape != (n, 1, dim) or n % groups or n // groups < s:
             raise RuntimeError(f"soft token input of shape {tuple(soft.shape)} does not match the decoder's "
                                f"embedding output {tuple(output.shape)}; the decoder must embed only the "
                                "newest token in incremental mode")
-        return soft.to(output.dtype)
+        soft = soft.to(output.dtype)
+        if n // groups == s:
+            return soft.reshape(output.shape)
+        looked_up = output.view(groups, n // groups, dim)[:, s:]
+        return torch.cat([soft, looked_up], 1).view(output.shape)
 
     def __enter__(self):
         self._handle = self.embedding.register_forward_hook(self._hook)
