@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.modules import LayerDropModuleList
 from fairseq.sequence_generator import SequenceGenerator
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 from softtopk_fairseq.modules.soft_beam_search import OptimalTransport, Perturbed, SoftmaxKTimes, soft_beam_search
@@ -495,6 +496,29 @@ def test_teacher_forcing_in_the_search_is_the_separate_pass_in_one_decoder_call_
     auto_loss, auto_grads, _, calls_auto = runs["auto"]
     assert calls_auto == T + 1 and torch.equal(auto_loss, ref_loss)
     assert all(torch.equal(a, b) for a, b in zip(auto_grads, ref_grads))
+
+
+def test_layer_drop_is_drawn_once_per_criterion_call():
+    """``--decoder-layerdrop``: fairseq draws the layers each time a layer list is iterated -- at every decoding
+    step of the beam search. The criterion keeps one draw for its whole call: the decoder layer runs at every step
+    (and in the teacher-forcing pass) or at none; the draw still varies between calls, and the list iterates as
+    fairseq's again afterwards."""
+    d = dictionary(12)
+    model = build("transformer", d, decoder_layerdrop=0.5)
+    sample = batch(d)
+    task = TinyTask(d)
+    T = sample["target"].shape[1]
+    calls = []
+    model.decoder.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    for rho, tf_pass, runs in ((0.0, "auto", T), (0.5, "separate", T + 1), (0.5, "search", T)):
+        seen = set()
+        for seed in range(8):
+            torch.manual_seed(seed)
+            calls.clear()
+            _criterion(task, rho, soft_topk_epsilon=0.5, teacher_forcing_pass=tf_pass)(model, sample)
+            seen.add(len(calls))
+        assert seen == {0, runs}, (rho, tf_pass, seen)
+    assert type(model.decoder.layers) is LayerDropModuleList and not hasattr(model.decoder.layers, "drawn")
 
 
 def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):

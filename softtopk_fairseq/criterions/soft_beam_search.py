@@ -32,6 +32,7 @@ of an LSTM update's operations, counted); on a CPU, bound by arithmetic, it is n
 ``separate`` runs the decoder's full teacher-forcing pass as ``label_smoothed_cross_entropy`` does; ``auto``
 (the default) is ``search`` for CUDA batches and ``separate`` otherwise.
 """
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Tuple
@@ -47,6 +48,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models import FairseqEncoderDecoderModel
 from fairseq.models.lstm import LSTMModel
 from fairseq.models.transformer import TransformerModelBase
+from fairseq.modules import LayerDropModuleList
 
 from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS,
                                                        search_option_problems, soft_beam_search)
@@ -148,6 +150,34 @@ def run_inside_ddp_forward(model, fn):
         del inner.forward
 
 
+class _LayerDropDrawn(LayerDropModuleList):
+    """A :class:`LayerDropModuleList` whose layers were drawn once (:func:`layer_drop_drawn_once`)."""
+
+    drawn: List[torch.nn.Module]
+
+    def __iter__(self):
+        return iter(self.drawn)
+
+
+@contextlib.contextmanager
+def layer_drop_drawn_once(model):
+    """fairseq's LayerDrop (``--encoder-layerdrop`` / ``--decoder-layerdrop``) draws which layers run each time
+    a layer list is iterated: once per teacher-forcing pass, but once per *decoding step* in the beam search --
+    where a layer skipped at some steps would miss those positions in its cached keys and values, and the beams
+    would run a different network at every step. Inside this context every list of ``model`` in training keeps
+    one draw, so the whole criterion call (both losses) runs one sub-network, as a teacher-forcing pass does."""
+    lists = [m for m in model.modules() if type(m) is LayerDropModuleList and m.training and m.p > 0]
+    for layers in lists:
+        drawn = list(LayerDropModuleList.__iter__(layers))
+        layers.__class__, layers.drawn = _LayerDropDrawn, drawn
+    try:
+        yield
+    finally:
+        for layers in lists:
+            layers.__class__ = LayerDropModuleList
+            del layers.drawn
+
+
 # The flags of soft_beam_search's beam and pruning arguments, for the rule they share (search_option_problems).
 SEARCH_FLAGS = {"beam": "--soft-beam-size", "candidates": "--soft-beam-candidates"}
 
@@ -211,7 +241,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         if not reduce:
             raise ValueError("soft_beam_search only computes reduced losses")
         use_tf, use_soft = self._losses_this_batch()
-        net_output, out = self._run_model(model, sample, use_tf, use_soft)
+        with layer_drop_drawn_once(model) if use_soft else contextlib.nullcontext():
+            net_output, out = self._run_model(model, sample, use_tf, use_soft)
         return self._loss_and_logs(model, sample, net_output, out)
 
     def _losses_this_batch(self) -> Tuple[bool, bool]:
