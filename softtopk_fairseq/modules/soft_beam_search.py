@@ -380,41 +380,66 @@ class _Trace:
         )
 
 
-class _TeacherForcedRows:
-    """The teacher-forced row each sentence decodes after its ``k`` beams (``soft_beam_search``'s
-    ``teacher_forcing``): fed ``prev_output_tokens``, continuing itself, its state never mixed with the beams'
-    (mixing weight exactly 1 on itself, 0 on the beams); its log-probabilities collected step by step."""
+class _BeamRows:
+    """The decoder rows of one sentence: its ``k`` beams. The search asks these hooks at every step; a variant
+    adds rows of its own (:class:`_TeacherForcedRows`)."""
+
+    def __init__(self, k: int):
+        self.k = self.per_sentence = k
+
+    def inputs(self, beam_tokens: Tensor, t: int) -> Tensor:
+        """(bsz, k, 1) the beams' input tokens at step ``t`` -> every row's (bsz, per_sentence, 1)."""
+        return beam_tokens
+
+    def split(self, lprobs: Tensor) -> Tensor:
+        """(bsz, per_sentence, V) one step's log-probabilities -> the beams' (bsz, k, V)."""
+        return lprobs
+
+    def parent(self, parent: Tensor) -> Tensor:
+        """(bsz, k) the row each beam continues -> every row's (bsz, per_sentence)."""
+        return parent
+
+    def mix(self, mixing: Tensor) -> Tensor:
+        """(bsz, k, k) the beams' state mixing (eq. (10)) -> every row's (bsz, per_sentence, per_sentence)."""
+        return mixing
+
+    def lprobs(self) -> Optional[Tensor]:
+        """What the extra rows computed (None here)."""
+        return None
+
+
+class _TeacherForcedRows(_BeamRows):
+    """The beams, then one teacher-forced row per sentence (``soft_beam_search``'s ``teacher_forcing``): fed
+    ``prev_output_tokens``, continuing itself, its state never mixed with the beams' (mixing weight exactly 1 on
+    itself, 0 on the beams); its log-probabilities collected step by step."""
 
     def __init__(self, prev_output_tokens: Tensor, k: int):
-        self.inputs, self.k = prev_output_tokens, k
-        bsz = prev_output_tokens.shape[0]
-        self.itself = prev_output_tokens.new_full((bsz, 1), k)
+        super().__init__(k)
+        self.per_sentence = k + 1
+        self.gold_inputs = prev_output_tokens
+        self.itself = prev_output_tokens.new_full((prev_output_tokens.shape[0], 1), k)
         self.own_weight = torch.zeros(k + 1, k + 1, device=prev_output_tokens.device)
         self.own_weight[k, k] = 1
         self.steps: List[Tensor] = []
 
-    def append_to(self, tokens: Tensor, t: int) -> Tensor:
-        """(bsz, k, 1) the beams' next tokens -> (bsz, k + 1, 1) with the gold input of step ``t`` appended."""
-        return torch.cat([tokens, self.inputs[:, t, None, None]], 1)
+    def inputs(self, beam_tokens, t):
+        return torch.cat([beam_tokens, self.gold_inputs[:, t, None, None]], 1)
 
-    def split(self, lprobs: Tensor) -> Tensor:
-        """(bsz, k + 1, V) one step's log-probabilities -> the beams' (bsz, k, V); keeps the teacher-forced row's.
-        One ``split`` (its backward: one ``cat``), not two slices (each a zero-filled full-size gradient)."""
+    def split(self, lprobs):
+        # One split (its backward: one cat), not two slices (each a zero-filled full-size gradient).
         beams, teacher = lprobs.split([self.k, 1], dim=1)
         self.steps.append(teacher)
         return beams
 
-    def parent(self, parent: Tensor) -> Tensor:
-        """(bsz, k) -> (bsz, k + 1): the teacher-forced row continues itself."""
+    def parent(self, parent):
         return torch.cat([parent, self.itself], 1)
 
-    def mix(self, mixing: Tensor) -> Tensor:
-        """(bsz, k, k) the beams' state mixing (eq. (10)) -> (bsz, k + 1, k + 1), the teacher-forced row kept."""
+    def mix(self, mixing):
         if self.own_weight.dtype != mixing.dtype:  # once per search
             self.own_weight = self.own_weight.to(mixing.dtype)
         return torch.nn.functional.pad(mixing, (0, 1, 0, 1)) + self.own_weight
 
-    def lprobs(self) -> Tensor:
+    def lprobs(self):
         """(bsz, T, V) the teacher-forced rows' log-probabilities at every step."""
         return torch.cat(self.steps, 1)
 
@@ -472,31 +497,25 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         raise ValueError(f"soft_beam_search: teacher_forcing of shape {tuple(teacher_forcing.shape)} must be "
                          f"shaped like target {tuple(target.shape)} (fairseq's prev_output_tokens)")
     # Decoder rows per sentence: its k beams, then its teacher-forced row if asked.
-    rows = k + (teacher_forcing is not None)
+    rows = _BeamRows(k) if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k)
 
     if encoder_out is None:
         encoder_out = model.encoder(src_tokens, src_lengths=src_lengths)
-    expand = torch.arange(bsz, device=device).repeat_interleave(rows)
+    expand = torch.arange(bsz, device=device).repeat_interleave(rows.per_sentence)
     encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
     incremental_state = {}
-    prefix = torch.full((bsz, k, 1), eos, dtype=torch.long, device=device)
+    prefix = rows.inputs(torch.full((bsz, k, 1), eos, dtype=torch.long, device=device), 0).view(-1, 1)
     banned = torch.tensor([pad, eos], device=device)
-    base = (torch.arange(bsz, device=device) * rows).unsqueeze(1)
+    base = (torch.arange(bsz, device=device) * rows.per_sentence).unsqueeze(1)
     trace = _Trace(bsz, device)
     cum: Optional[Tensor] = None
-    teacher = None if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k)
-    if teacher is not None:
-        prefix = teacher.append_to(prefix, 0)
-    prefix = prefix.view(bsz * rows, 1)
 
     with SoftTokenInput(embed) as soft_input:
         for t in range(T):
             net_output = decoder(prefix, encoder_out=encoder_out, incremental_state=incremental_state)
             lprobs = _log_probs(model, net_output)
             V = lprobs.shape[-1]
-            lprobs = lprobs.view(bsz, rows, V)
-            if teacher is not None:
-                lprobs = teacher.split(lprobs)
+            lprobs = rows.split(lprobs.view(bsz, rows.per_sentence, V))
             if cum is None:  # step 0: one live beam
                 cum = lprobs.new_full((bsz, k), -torch.inf)
                 cum[:, 0] = 0
@@ -508,12 +527,9 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             cum = step.cum
             # The next step's input: the decoder state mixed (eq. (10)) and the soft tokens (eq. (9)).
             mixing, soft = _soft_order_and_input(step.relaxed.A, step.candidates, embed, V)
-            parent, token = step.parent, step.token.unsqueeze(-1)
-            if teacher is not None:
-                parent, token, mixing = teacher.parent(parent), teacher.append_to(token, t + 1), teacher.mix(mixing)
-            order = (base + parent).view(-1)
-            decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, mixing))
-            prefix = torch.cat([prefix[order], token.view(-1, 1)], 1)
+            order = (base + rows.parent(step.parent)).view(-1)
+            decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, rows.mix(mixing)))
+            prefix = torch.cat([prefix[order], rows.inputs(step.token.unsqueeze(-1), t + 1).view(-1, 1)], 1)
             soft_input.pending = soft  # the beams' rows; a teacher-forced row keeps its gold token's embedding
 
-    return trace.output(lengths, pad, eos, None if teacher is None else teacher.lprobs())
+    return trace.output(lengths, pad, eos, rows.lprobs())
