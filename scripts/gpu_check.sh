@@ -12,11 +12,28 @@
 # GPU_CHECK_SECTIONS="tests train ..." runs only the named sections (default: all, in the order below).
 # The interpreter: SOFTTOPK_PYTHON if set (an environment with CUDA torch, triton, fairseq and this package),
 # else the project's .venv, set up by scripts/setup_env.sh (which installs the CUDA build of torch when an
-# NVIDIA GPU is present).
+# NVIDIA GPU is present). Without a package index (a CUDA container, an offline node): SOFTTOPK_WHEELS=DIR,
+# the wheels of scripts/offline_wheels.sh made elsewhere for this Python, installs them into OUTDIR/site for
+# the interpreter's own torch (SOFTTOPK_PYTHON, default python3), this repository on PYTHONPATH, and stops
+# here if a requirement of theirs is still missing.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$root/work/gpu_check}" && cd "${1:-$root/work/gpu_check}" && pwd)
-if [[ -n ${SOFTTOPK_PYTHON:-} ]]; then
+if [[ -n ${SOFTTOPK_WHEELS:-} ]]; then
+    py=${SOFTTOPK_PYTHON:-python3}
+    rm -rf "$out/site"
+    "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --target "$out/site" \
+        "$SOFTTOPK_WHEELS"/*.whl || { echo "gpu_check: installing the wheels of $SOFTTOPK_WHEELS failed"; exit 1; }
+    export PYTHONPATH=$out/site:$root${PYTHONPATH:+:$PYTHONPATH}
+    # pip check over the whole environment; only our wheels' own unmet requirements stop the run.
+    ours=$(cd "$out/site" && ls -d *.dist-info | sed 's/-[^-]*\.dist-info$//; s/_/-/g' | paste -sd'|')
+    missing=$("$py" -m pip check 2>&1 | grep -iE "^($ours) " | grep -i "not installed" || true)
+    if [[ -n $missing ]]; then
+        echo "gpu_check: the wheels of $SOFTTOPK_WHEELS need what $py does not have:"
+        echo "$missing"
+        exit 1
+    fi
+elif [[ -n ${SOFTTOPK_PYTHON:-} ]]; then
     py=$SOFTTOPK_PYTHON
 else
     bash "$root/scripts/setup_env.sh" || exit 1
