@@ -310,6 +310,27 @@ def test_more_candidates_than_live_ones_is_finite():
         assert torch.isfinite(out.pruned_mass).all() and float(out.pruned_mass.min()) >= 0
 
 
+@pytest.mark.parametrize("relaxation", [OptimalTransport, SoftmaxKTimes, Perturbed])
+def test_the_searchs_pruned_mass_is_the_sum_of_each_steps_bound(relaxation, monkeypatch):
+    """The search keeps each step's ``pruned_terms`` and bounds all steps at once: the same as each step's
+    ``pruned_mass`` summed over the steps (per sentence), for every relaxation's terms."""
+    per_step, terms_of_step = [], relaxation.pruned_terms
+
+    def recording(self, relaxed, kept, rest):
+        terms = terms_of_step(self, relaxed, kept, rest)
+        per_step.append(self.pruned_bound(*terms))
+        return terms
+
+    monkeypatch.setattr(relaxation, "pruned_terms", recording)
+    d = dictionary(20)
+    sample = batch(d, bsz=3, tgt_lens=(4, 3, 6))
+    name = {OptimalTransport: "ot", SoftmaxKTimes: "softmax_k_times", Perturbed: "perturbed"}[relaxation]
+    with torch.no_grad():
+        out = run(build("lstm", d), sample, d, beam=3, epsilon=0.5, candidates=6, relaxation=name)
+    assert len(per_step) == 5 and float(out.pruned_mass.min()) > 0  # T - 1 steps, each pruning something
+    torch.testing.assert_close(out.pruned_mass, torch.stack(per_step).sum(0).float())
+
+
 @pytest.mark.parametrize("epsilon", [0.05, 0.3, 1.0])
 def test_pruned_mass_bound_bounds_the_exact_solution(epsilon):
     """The bound is derived at the kept problem's potentials; check it also bounds the mass that the pruned

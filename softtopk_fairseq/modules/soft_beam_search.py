@@ -107,7 +107,18 @@ class Relaxation:
     def pruned_mass(self, relaxed: Relaxed, kept: Tensor, rest: Tensor) -> Tensor:
         """(rows,) an upper bound on the rank mass (out of ``k``) the pruned candidates ``rest`` (-inf where
         kept; overwritten) would get. ``kept``: the kept scores, best first, ``relaxed`` their relaxation
-        (:meth:`relax`); called under ``torch.no_grad()``."""
+        (:meth:`relax`); called under ``torch.no_grad()``. The variants split it in two hooks:
+        :meth:`pruned_terms` and :meth:`pruned_bound`."""
+        return self.pruned_bound(*self.pruned_terms(relaxed, kept, rest))
+
+    def pruned_terms(self, relaxed: Relaxed, kept: Tensor, rest: Tensor) -> Tuple[Tensor, ...]:
+        """What :meth:`pruned_bound` needs of one step, each term (rows, ...): the reductions over the step's
+        pruned candidates. The search keeps them and bounds all its steps at once (stacked along a leading
+        dimension), a few operations per update instead of per step."""
+        raise NotImplementedError
+
+    def pruned_bound(self, *terms: Tensor) -> Tensor:
+        """The bound (leading dimensions, rows) from :meth:`pruned_terms`' terms (leading dimensions, rows, ...)."""
         raise NotImplementedError
 
     def _divide_by_temperature(self, kept: Tensor) -> Tuple[Tensor, Tensor]:
@@ -125,20 +136,22 @@ class OptimalTransport(Relaxation):
                             max_iter=self.max_iter, return_info=True)
         return Relaxed(A, info.temperature, info.iterations.detach(), info.error.detach())
 
-    def pruned_mass(self, relaxed, kept, rest):
+    def pruned_terms(self, relaxed, kept, rest):
         r"""At the kept problem's dual potentials a candidate of score ``x`` gets
         :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
         candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
         over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
-        the weakest kept candidate's rest mass (capped at ``k``, the total rank mass)."""
-        A = relaxed.A
+        the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). Terms: ``1 - a`` and the
+        sum."""
         # The kept scores are sorted, best first: the weakest kept candidate w is the last. If it is -inf, fewer
         # than M candidates were live and no finite one was pruned: a = 0 there, and so is the bound (x_w is
         # clamped to a finite reference only so that -inf - x_w is not NaN).
         x_w = kept[:, -1:].clamp_min(torch.finfo(kept.dtype).min)
         rest_sum = rest.sub_(x_w).div_(relaxed.temperature.unsqueeze(-1)).exp_().sum(-1)  # terms <= 1: no overflow
-        rank_mass = A[:, -1, :].sum(-1)  # 1 - a
-        tiny = torch.finfo(A.dtype).tiny
+        return relaxed.A[:, -1, :].sum(-1), rest_sum
+
+    def pruned_bound(self, rank_mass, rest_sum):
+        tiny = torch.finfo(rank_mass.dtype).tiny
         return (rank_mass * rest_sum / (1 - rank_mass).clamp_min(tiny)).clamp(max=self.k)  # at most k anyway
 
 
@@ -150,9 +163,9 @@ class SoftmaxKTimes(Relaxation):
         scaled, temperature = self._divide_by_temperature(kept)
         return Relaxed(softmax_k_times(scaled, self.k, epsilon=1.0), temperature, None, None)
 
-    def pruned_mass(self, relaxed, kept, rest):
+    def pruned_terms(self, relaxed, kept, rest):
         """Exact: the mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of
-        ``exp(x / T)``)."""
+        ``exp(x / T)``). Terms: ``log S_p`` (rows,) and ``log S_l`` (rows, k), relative to a common reference."""
         temperature = relaxed.temperature
         # Relative to x_w, the weakest finite kept score (if some kept ones are -inf, nothing finite was pruned:
         # the sum is 0).
@@ -163,7 +176,9 @@ class SoftmaxKTimes(Relaxation):
         top = torch.sort(logits, -1, descending=True).values[..., : self.k]
         lse_all = torch.logsumexp(logits, -1, keepdim=True)
         removed = torch.cumsum(torch.exp(top - lse_all), -1) - torch.exp(top - lse_all)  # mass of the top-l
-        lse_kept = lse_all + torch.log((1 - removed).clamp_min(tiny))
+        return log_rest, lse_all + torch.log((1 - removed).clamp_min(tiny))
+
+    def pruned_bound(self, log_rest, lse_kept):
         return torch.sigmoid(log_rest.unsqueeze(-1) - lse_kept).sum(-1)
 
 
@@ -179,17 +194,20 @@ class Perturbed(Relaxation):
         return Relaxed(perturbed_topk(scaled, self.k, sigma=1.0, samples=self.samples, sorted=True), sigma, None,
                        None)
 
-    def pruned_mass(self, relaxed, kept, rest):
+    def pruned_terms(self, relaxed, kept, rest):
         r"""A pruned candidate ``p`` (``x_p <= x_k``, the k-th best kept score) holds a rank of
         ``top-k(x + sigma Z)`` only if it beats one of the k best kept candidates ``j``, so its rank mass is at
         most :math:`\sum_{j \le k} \Phi((x_p - x_j) / (\sigma\sqrt 2)) \le k\,\Phi((x_p - x_k)/(\sigma\sqrt 2))`
-        -- a bound on the expectation, not on the Monte-Carlo estimate; summed over ``p``, capped at ``k``."""
+        -- a bound on the expectation, not on the Monte-Carlo estimate; summed over ``p``, capped at ``k``. Term:
+        the log of the sum over ``p``."""
         sigma = relaxed.temperature.unsqueeze(-1)
         x_k = kept[:, self.k - 1: self.k]
         live = (rest > -torch.inf) & (x_k > -torch.inf)
         z = torch.where(live, (rest - torch.where(live, x_k, 0.0)) / (sigma * math.sqrt(2.0)), -torch.inf)
-        log_bound = math.log(self.k) + torch.logsumexp(torch.special.log_ndtr(z), -1)
-        return torch.exp(log_bound.clamp(max=math.log(self.k)))
+        return (torch.logsumexp(torch.special.log_ndtr(z), -1),)
+
+    def pruned_bound(self, log_sum):
+        return torch.exp(log_sum.clamp(max=0.0) + math.log(self.k))
 
 
 RELAXATIONS = {"ot": OptimalTransport, "softmax_k_times": SoftmaxKTimes, "perturbed": Perturbed}
@@ -222,21 +240,23 @@ class _Candidates(NamedTuple):
 class _KeptScores(torch.autograd.Function):
     """The kept candidates' scores ``cum[b, c // V] + log p[b, c]`` with their gradient routed to ``cum`` and
     ``log p``. Their values are the top-M ``top`` found without autograd (-inf for the banned tokens and the dead
-    beams' extensions, whose gradient the relaxed top-k makes 0); the backward scatters into the M kept entries
-    only -- one operation forward instead of two gathers, an add and a mask, and nothing k*V-sized saved."""
+    beams' extensions, whose gradient the relaxed top-k makes 0), returned as they are (autograd gives the output
+    its own view of ``top``: nothing reads either in place); the backward scatters into the M kept entries only --
+    no operation forward instead of two gathers, an add and a mask, and nothing k*V-sized saved."""
 
     @staticmethod
     def forward(ctx, cum: Tensor, lprobs: Tensor, index: Tensor, top: Tensor) -> Tensor:
         ctx.save_for_backward(index)
         ctx.k, ctx.V = lprobs.shape[1], lprobs.shape[2]
-        return top.clone()
+        return top
 
     @staticmethod
     def backward(ctx, grad):
         index, = ctx.saved_tensors
         bsz, k, V = grad.shape[0], ctx.k, ctx.V
         grad_lprobs = grad.new_zeros(bsz, k * V).scatter_(1, index, grad).view(bsz, k, V)  # distinct indices
-        grad_cum = grad.new_zeros(bsz, k).scatter_add_(1, index // V, grad) if ctx.needs_input_grad[0] else None
+        # Each beam's cum is in all of its V candidates: its gradient is their sum (zeros where not kept).
+        grad_cum = grad_lprobs.sum(-1) if ctx.needs_input_grad[0] else None
         return grad_cum, grad_lprobs, None, None
 
 
@@ -294,21 +314,23 @@ def _backtrack(final_lp, gold_lp, parents, tokens, lengths: Tensor, pad: int,
     ranked_scores, ranked = final_at_end.sort(-1, descending=True)
     steps = torch.arange(T, device=final.device).unsqueeze(1)
     at_end, active = steps == last, steps <= last       # (T, bsz): each sentence's eos step, its live steps
-    # Backwards from the last step: a sentence's beams start at its eos step, ranked, then follow their parents.
-    # Kept: every beam's token at each step, and where the best beam was (all the loss needs).
-    cur = ranked
-    best_beam, hyp_tokens = [None] * T, [None] * T
-    for t in range(T - 1, -1, -1):
-        cur = torch.where(at_end[t].unsqueeze(1), ranked, cur)
-        best_beam[t] = cur[:, 0]
-        if t > 0:
-            live = active[t].unsqueeze(1)
-            hyp_tokens[t - 1] = torch.where(live, tokens[t - 1].gather(1, cur), pad)
-            cur = torch.where(live, parents[t - 1].gather(1, cur), cur)
-    hyp_tokens[T - 1] = ranked.new_full((bsz, k), pad)
-    hyps = torch.where(at_end.t().unsqueeze(1), eos, torch.stack(hyp_tokens, 2))
+    # beams[t]: the beam at step t of each ranked final hypothesis, followed backwards through the parents. Past
+    # its eos step a sentence's beams follow themselves (the search went on reordering them, masked), so its
+    # ranked beams at the last step are those at its eos step: one gather per step, every sentence alike.
+    beams = [ranked]
+    if T > 1:
+        itself = torch.arange(k, device=final.device).expand(bsz, k)
+        parent = torch.where(active[1:].unsqueeze(-1), torch.stack(parents), itself)  # (T-1, bsz, k)
+        for t in range(T - 2, -1, -1):
+            beams.append(parent[t].gather(1, beams[-1]))
+    beams = torch.stack(beams[::-1])                    # (T, bsz, k)
+    # The token that made each beam at step t + 1 is the one its rank appended at step t; pad past eos, then eos.
+    hyp_tokens = ranked.new_full((T, bsz, k), pad)
+    if T > 1:
+        hyp_tokens[:-1] = torch.where(active[1:].unsqueeze(-1), torch.stack(tokens).gather(2, beams[1:]), pad)
+    hyps = torch.where(at_end.t().unsqueeze(1), eos, hyp_tokens.permute(1, 2, 0))
     gold = torch.stack(gold_lp, 1)                      # (bsz, T, k)
-    along_best = gold.gather(2, torch.stack(best_beam, 1).unsqueeze(2)).squeeze(2)
+    along_best = gold.gather(2, beams[:, :, :1].transpose(0, 1)).squeeze(2)
     nll = -torch.where(active.t(), along_best, 0.0).sum(1)
     return nll, hyps, ranked_scores
 
@@ -321,20 +343,21 @@ class _Step(NamedTuple):
     parent: Tensor            # (bsz, k) the beam each rank continues (hard bookkeeping)
     token: Tensor             # (bsz, k) the token it appends
     cum: Tensor               # (bsz, k) its cumulative score
-    pruned_mass: Optional[Tensor]  # (bsz,) the bound on the rank mass lost to pruning; None without pruning
+    pruned_terms: Optional[Tuple[Tensor, ...]]  # what bounds the rank mass lost to pruning; None without pruning
 
 
 def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int,
                   bookkeeping: str) -> _Step:
-    """The candidates of one step (pruned to ``candidates`` if asked), their relaxed top-k ``A``, the bound on
-    what pruning lost, and the hard bookkeeping that follows ``A``."""
+    """The candidates of one step (pruned to ``candidates`` if asked), their relaxed top-k ``A``, the terms of
+    the bound on what pruning lost (:meth:`Relaxation.pruned_terms`), and the hard bookkeeping that follows
+    ``A``."""
     c = _candidates(cum, lprobs, banned, candidates)
     relaxed = relax.relax(c.kept)
     pruned = None
     if c.index is not None:
         with torch.no_grad():
             rest = c.all_scores.scatter_(1, c.index, -torch.inf)  # the pruned ones (not reused)
-            pruned = relax.pruned_mass(relaxed, c.kept_scores, rest).float()
+            pruned = relax.pruned_terms(relaxed, c.kept_scores, rest)
     parent, token, cum = _follow(relaxed.A, c, bookkeeping, lprobs.shape[-1])
     return _Step(relaxed, c, parent, token, cum, pruned)
 
@@ -358,12 +381,12 @@ class _Trace:
         if step.relaxed.iterations is not None:  # a solver's relaxation (the others report nothing: empty lists)
             self.iterations.append(step.relaxed.iterations)
             self.errors.append(step.relaxed.error)
-        if step.pruned_mass is not None:
-            self.pruned.append(step.pruned_mass)
+        if step.pruned_terms is not None:
+            self.pruned.append(step.pruned_terms)
         self.parents.append(step.parent)
         self.tokens.append(step.token)
 
-    def output(self, lengths: Tensor, pad: int, eos: int,
+    def output(self, relax: Relaxation, lengths: Tensor, pad: int, eos: int,
                teacher_forced_lprobs: Optional[Tensor] = None) -> SoftBeamOutput:
         nll, hyps, ranked_scores = _backtrack(self.final_lp, self.gold_lp, self.parents, self.tokens, lengths,
                                               pad, eos)
@@ -374,7 +397,7 @@ class _Trace:
             hypothesis_scores=ranked_scores,
             solver_iterations=torch.stack(self.iterations).float().mean(1) if self.iterations else zero,
             solver_error=torch.stack(self.errors).float().amax(1) if self.errors else zero,
-            pruned_mass=(torch.stack(self.pruned).sum(0) if self.pruned
+            pruned_mass=(relax.pruned_bound(*map(torch.stack, zip(*self.pruned))).sum(0).float() if self.pruned
                          else torch.zeros(self.bsz, device=self.device)),
             teacher_forced_lprobs=teacher_forced_lprobs,
         )
@@ -532,4 +555,4 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             prefix = torch.cat([prefix[order], rows.inputs(step.token.unsqueeze(-1), t + 1).view(-1, 1)], 1)
             soft_input.pending = soft  # the beams' rows; a teacher-forced row keeps its gold token's embedding
 
-    return trace.output(lengths, pad, eos, rows.lprobs())
+    return trace.output(relax, lengths, pad, eos, rows.lprobs())
