@@ -3,7 +3,7 @@ or of one soft beam-search update (``--soft-beam``: the criterion's loss and its
 each operation is issued).
 
     .venv/bin/python benchmarks/count_host_ops.py [--rows 6] [--n 40] [--k 3]
-    .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20] [--rho 0.8]
+    .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20] [--rho 0.8] [--tgt-len 8]
     .venv/bin/python benchmarks/count_host_ops.py --topk-attention [--backend triton]
 
 On a GPU every tensor operation outside the fused kernels is at least one kernel launch, and every
@@ -106,18 +106,19 @@ def count_update(backend, update):
     return mode, sum(mode.ops[name] for name in SYNCS)
 
 
-def count_soft_beam(backend, top, rho, teacher_forcing_pass):
+def count_soft_beam(backend, top, rho, teacher_forcing_pass, src_len=6, tgt_len=8):
     """One soft beam-search update of the demo LSTM (beam 5, eps 0.1 paper scaling, M 50; ``rho``, 0.8 by
     default; ``--teacher-forcing-pass``, ``search`` by default: what ``auto`` runs on a GPU) on a small batch (8
-    sentences, target length 8: 7 soft_topk calls): the criterion's loss and its backward -- and, for scale, one
-    teacher-forcing update (label_smoothed_cross_entropy) of the same batch."""
+    sentences, source length 6, target length 8 by default: 7 soft_topk calls; bench_soft_beam.py's lengths are
+    14 / 16): the criterion's loss and its backward -- and, for scale, one teacher-forcing update
+    (label_smoothed_cross_entropy) of the same batch."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_soft_beam import build_model_and_sample
     from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
     from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
-    cfg = dict(arch="lstm", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
+    cfg = dict(arch="lstm", bsz=8, src_len=src_len, tgt_len=tgt_len, vocab=200, threads=1, device="cpu")
     model, task, sample, _ = build_model_and_sample(cfg)
     criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
         sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, soft_beam_size=5, soft_beam_candidates=50,
@@ -126,7 +127,7 @@ def count_soft_beam(backend, top, rho, teacher_forcing_pass):
     teacher_forcing = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
     tf_mode, tf_syncs = count_update(backend, lambda: teacher_forcing(model, sample)[0].backward())
     ops, tf_ops = sum(mode.sources.values()), sum(tf_mode.sources.values())
-    print(f"one soft beam-search update (LSTM, 8 sentences, target length 8, rho {rho:g}, beam 5, M 50, paper "
+    print(f"one soft beam-search update (LSTM, 8 sentences, lengths {src_len} / {tgt_len}, rho {rho:g}, beam 5, M 50, paper "
           f"scaling, teacher forcing {teacher_forcing_pass}), backend {backend}: {ops} tensor operations (views left out), {syncs} synchronisations; "
           f"teacher forcing on the same batch: {tf_ops} operations, {tf_syncs} synchronisations "
           f"({ops / tf_ops:.2f}x the operations)\n\n| issued in | operations |\n|---|---|")
@@ -168,9 +169,12 @@ def main():
     parser.add_argument("--rho", type=float, default=0.8, help="--soft-beam: the teacher-forcing ratio")
     parser.add_argument("--teacher-forcing-pass", default="search", choices=["search", "separate"],
                         help="--soft-beam: the criterion's --teacher-forcing-pass (auto runs search on a GPU)")
+    parser.add_argument("--src-len", type=int, default=6, help="--soft-beam: the source length")
+    parser.add_argument("--tgt-len", type=int, default=8, help="--soft-beam: the target length (T - 1 decoding steps "
+                        "with a soft top-k)")
     args = parser.parse_args()
     if args.soft_beam:
-        count_soft_beam(args.backend, args.top, args.rho, args.teacher_forcing_pass)
+        count_soft_beam(args.backend, args.top, args.rho, args.teacher_forcing_pass, args.src_len, args.tgt_len)
         return
     if args.topk_attention:
         count_topk_attention(args.backend)

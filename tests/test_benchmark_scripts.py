@@ -346,8 +346,9 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path):
 
 def test_count_host_ops_breaks_a_soft_beam_update_down_by_source():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "count_host_ops.py"), "--soft-beam", "--backend",
-                          "cpu", "--top", "40"], capture_output=True, text=True, timeout=600)
+                          "cpu", "--top", "40", "--tgt-len", "5"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "lengths 6 / 5" in out.stdout
     total = int(re.search(r"backend cpu: (\d+) tensor operations", out.stdout).group(1))
     tf_ops = int(re.search(r"teacher forcing on the same batch: (\d+) operations", out.stdout).group(1))
     assert 0 < tf_ops < total  # the search costs more than teacher forcing on its own
