@@ -73,8 +73,8 @@ class Relaxed(NamedTuple):
 
 
 class Relaxation:
-    """A relaxed sorted top-k of the candidate scores; the variants override :meth:`_relax` and
-    :meth:`pruned_mass`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
+    """A relaxed sorted top-k of the candidate scores; the variants override :meth:`_relax`,
+    :meth:`pruned_terms` and :meth:`pruned_bound`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
     log-likelihood units with ``scaling="none"``, normalised per sentence with ``"paper"``."""
 
     def __init__(self, k: int, epsilon: float, scaling: str, *, tol: Optional[float] = None,
