@@ -8,8 +8,9 @@
 # the tokenizers, scoring, the tests and the benchmarks' peers need that a PyTorch image usually lacks. Binary
 # wheels are taken for PYTHON_VERSION on manylinux x86-64 (fairseq-fixed 0.12.3.1 has one for CPython 3.12:
 # its Cython helpers are built against NumPy 2's C API, its torch extensions are used by models we do not
-# load); a pure-Python package published only as an sdist (antlr4-python3-runtime 4.9.3) is built into a
-# py3-none-any wheel here. Anything else missing fails here, by name, not there.
+# load); the pure-Python packages published only as sdists (PURE_SDISTS: antlr4-python3-runtime 4.9.3) are built
+# into py3-none-any wheels here. Any other package without a wheel for that Python fails here, by name, not
+# there (its sdist is not tried: building fairseq's would pull a torch into pip's build environment).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [[ $# -ge 1 && $# -le 2 ]] || { echo "usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION]" >&2; exit 2; }
@@ -20,6 +21,7 @@ version=${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.versio
 [[ $version =~ ^3\.[0-9]+$ ]] || { echo "offline_wheels: PYTHON_VERSION must look like 3.12, got '$version'" >&2; exit 2; }
 KIT=(fairseq-fixed hydra-core omegaconf antlr4-python3-runtime bitarray cffi pycparser sacrebleu portalocker
      tabulate colorama sentencepiece subword-nmt mock sacremoses hypothesis entmax)
+PURE_SDISTS=" antlr4-python3-runtime "
 mkdir -p "$dir"
 pip=("$py" -m pip --disable-pip-version-check -q)
 for name in "${KIT[@]}"; do
@@ -28,12 +30,15 @@ for name in "${KIT[@]}"; do
     if ! "${pip[@]}" download --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             -d "$dir" "$pin" 2> /dev/null; then
-        # No wheel for that Python: an sdist will do only if it builds into a pure-Python wheel.
+        if [[ $PURE_SDISTS != *" $name "* ]]; then
+            echo "offline_wheels: no wheel of $pin for CPython $version on manylinux x86-64" >&2
+            exit 1
+        fi
         built=$(mktemp -d)
         "${pip[@]}" wheel --no-deps --no-binary=:all: -w "$built" "$pin" > /dev/null 2>&1 || true
         wheel=$(ls "$built"/*-py3-none-any.whl 2> /dev/null || true)
         if [[ -z $wheel ]]; then
-            echo "offline_wheels: no wheel of $pin for CPython $version on manylinux x86-64, and its sdist is not pure Python" >&2
+            echo "offline_wheels: $pin: its sdist did not build into a pure-Python wheel" >&2
             rm -rf "$built"
             exit 1
         fi
