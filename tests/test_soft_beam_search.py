@@ -458,14 +458,18 @@ def test_sum_mode_runs_the_encoder_once_for_both_losses(arch):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+TOPK_ATTENTION = {"transformer_topk_attn": dict(topk_attn_k=2, topk_attn_layers="encoder-decoder,decoder-self"),
+                  "lstm_topk_attn": dict(topk_attn_k=2, decoder_attention="True")}
+
+
+@pytest.mark.parametrize("arch", ARCHS + tuple(TOPK_ATTENTION))
 def test_teacher_forced_rows_leave_the_beams_alone_and_give_teacher_forcing_log_probs(arch):
     """One teacher-forced row per sentence beside the beams: the beams' search is unchanged, and the row's
     log-probabilities are fairseq's own incremental decoding of the gold prefix (to rounding) -- which is its full
     pass's at the real positions (to float32 rounding: the full transformer pass computes its attention softmax
-    in float32 even for a float64 model)."""
+    in float32 even for a float64 model). Also with SOFT top-k attention in the decoder."""
     d = dictionary(12)
-    model = build(arch, d).eval()
+    model = build(arch, d, **TOPK_ATTENTION.get(arch, {})).eval()
     sample = batch(d)
     ni = sample["net_input"]
     T = sample["target"].shape[1]
