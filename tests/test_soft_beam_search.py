@@ -108,6 +108,28 @@ def _assert_sequence_generator_hypotheses(model, sample, d, k, out, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_each_sentence_is_searched_as_if_alone(arch):
+    """Sentences of different lengths in one batch -- one of them eos alone -- get what each gets searched alone
+    (decoded for its own length): the batch runs on past a sentence's eos, masked, and its backtracking starts
+    there."""
+    d = dictionary(20)
+    model = build(arch, d).eval()
+    sample = batch(d, bsz=3, tgt_lens=(4, 1, 6))
+    ni = sample["net_input"]
+    with torch.no_grad():
+        together = run(model, sample, d, beam=3, epsilon=0.5, candidates=8)
+        for b, n in enumerate((4, 1, 6)):
+            src = ni["src_tokens"][b][ni["src_tokens"][b].ne(d.pad())].unsqueeze(0)  # its own length, unpadded
+            alone = soft_beam_search(model, src, torch.tensor([src.shape[1]]), sample["target"][b:b + 1, :n],
+                                     pad=d.pad(), eos=d.eos(), beam=3, epsilon=0.5, candidates=8)
+            assert torch.equal(together.hypotheses[b, :, :n], alone.hypotheses[0])
+            assert bool((together.hypotheses[b, :, n:] == d.pad()).all())
+            torch.testing.assert_close(together.nll[b], alone.nll[0], rtol=0, atol=1e-10)
+            torch.testing.assert_close(together.hypothesis_scores[b], alone.hypothesis_scores[0], rtol=0, atol=1e-10)
+    assert bool((together.hypotheses[1, :, 0] == d.eos()).all())  # eos alone: nothing to choose
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_small_sigma_perturbed_search_gives_sequence_generator_hypotheses(arch):
     """sigma -> 0: the perturbed top-k is the hard top-k (noise far below the score gaps), so the search is
     fairseq's beam search, as for epsilon -> 0."""
