@@ -127,8 +127,9 @@ def count_soft_beam(backend, top, rho, teacher_forcing_pass, src_len=6, tgt_len=
     teacher_forcing = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
     tf_mode, tf_syncs = count_update(backend, lambda: teacher_forcing(model, sample)[0].backward())
     ops, tf_ops = sum(mode.sources.values()), sum(tf_mode.sources.values())
-    print(f"one soft beam-search update (LSTM, 8 sentences, lengths {src_len} / {tgt_len}, rho {rho:g}, beam 5, M 50, paper "
-          f"scaling, teacher forcing {teacher_forcing_pass}), backend {backend}: {ops} tensor operations (views left out), {syncs} synchronisations; "
+    print(f"one soft beam-search update (LSTM, 8 sentences, lengths {src_len} / {tgt_len}, rho {rho:g}, beam 5, "
+          f"M 50, paper scaling, teacher forcing {teacher_forcing_pass}), backend {backend}: {ops} tensor operations "
+          f"(views left out), {syncs} synchronisations; "
           f"teacher forcing on the same batch: {tf_ops} operations, {tf_syncs} synchronisations "
           f"({ops / tf_ops:.2f}x the operations)\n\n| issued in | operations |\n|---|---|")
     for where, n in mode.sources.most_common(top):

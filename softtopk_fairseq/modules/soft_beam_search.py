@@ -74,8 +74,9 @@ class Relaxed(NamedTuple):
 
 class Relaxation:
     """A relaxed sorted top-k of the candidate scores; the variants override :meth:`_relax`,
-    :meth:`pruned_terms` and :meth:`pruned_bound`. ``epsilon`` is the smoothing scale, per row through :meth:`temperature`: in
-    log-likelihood units with ``scaling="none"``, normalised per sentence with ``"paper"``."""
+    :meth:`pruned_terms` and :meth:`pruned_bound`. ``epsilon`` is the smoothing scale, per row through
+    :meth:`temperature`: in log-likelihood units with ``scaling="none"``, normalised per sentence with
+    ``"paper"``."""
 
     def __init__(self, k: int, epsilon: float, scaling: str, *, tol: Optional[float] = None,
                  max_iter: Optional[int] = None, samples: int = PERTURBED_SAMPLES):
@@ -241,8 +242,8 @@ class _KeptScores(torch.autograd.Function):
     """The kept candidates' scores ``cum[b, c // V] + log p[b, c]`` with their gradient routed to ``cum`` and
     ``log p``. Their values are the top-M ``top`` found without autograd (-inf for the banned tokens and the dead
     beams' extensions, whose gradient the relaxed top-k makes 0), returned as they are (autograd gives the output
-    its own view of ``top``: nothing reads either in place); the backward scatters into the M kept entries only --
-    no operation forward instead of two gathers, an add and a mask, and nothing k*V-sized saved."""
+    its own view of ``top``: nothing writes either in place); the backward scatters into the M kept entries only
+    -- no operation forward (two gathers, an add and a mask otherwise), and nothing k*V-sized saved."""
 
     @staticmethod
     def forward(ctx, cum: Tensor, lprobs: Tensor, index: Tensor, top: Tensor) -> Tensor:
