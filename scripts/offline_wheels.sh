@@ -2,6 +2,7 @@
 # Wheels of everything softtopk-fairseq needs beside torch, for a machine that has its own torch (and triton)
 # but no package index -- a CUDA container, an offline cluster node --, downloaded here for its Python:
 #   bash scripts/offline_wheels.sh DIR [PYTHON_VERSION]     (default: this machine's python3, e.g. 3.12)
+# (PYTHON=... names the interpreter whose pip downloads; default the .venv, else python3)
 # There, from this repository's root: SOFTTOPK_WHEELS=DIR bash scripts/gpu_check.sh [OUTDIR], or by hand
 #   python3 -m pip install --no-index --no-deps --target SITE DIR/*.whl; export PYTHONPATH=SITE:$PWD
 # The versions are constraints.txt's pins (one place); the packages are KIT below: fairseq-fixed and what it,
@@ -15,8 +16,12 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [[ $# -ge 1 && $# -le 2 ]] || { echo "usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION]" >&2; exit 2; }
 dir=$1
-py=${PYTHON:-python3}
-[[ -x $root/.venv/bin/python ]] && py=$root/.venv/bin/python  # its pip, if set up
+py=${PYTHON:-}
+if [[ -z $py ]]; then
+    py=python3
+    [[ -x $root/.venv/bin/python ]] && py=$root/.venv/bin/python
+fi
+"$py" -m pip --version > /dev/null 2>&1 || { echo "offline_wheels: '$py -m pip' does not run (set PYTHON)" >&2; exit 2; }
 version=${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
 [[ $version =~ ^3\.[0-9]+$ ]] || { echo "offline_wheels: PYTHON_VERSION must look like 3.12, got '$version'" >&2; exit 2; }
 KIT=(fairseq-fixed hydra-core omegaconf antlr4-python3-runtime bitarray cffi pycparser sacrebleu portalocker

@@ -66,13 +66,15 @@ def test_gpu_check_stops_when_the_wheels_do_not_install(tmp_path, no_cuda):
     assert out.returncode == 1 and "installing the wheels" in out.stdout, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    ([], "usage:"),
-    (["DIR", "twelve"], "PYTHON_VERSION must look like 3.12"),
+@pytest.mark.parametrize("args,python,message", [
+    ([], None, "usage:"),
+    (["DIR", "twelve"], None, "PYTHON_VERSION must look like 3.12"),
+    (["DIR", "3.12"], "/nonexistent/python", "'/nonexistent/python -m pip' does not run"),
 ])
-def test_offline_wheels_refuses_bad_arguments(tmp_path, args, message):
+def test_offline_wheels_refuses_bad_arguments(tmp_path, args, python, message):
     args = [str(tmp_path / "w") if a == "DIR" else a for a in args]
+    env = dict(os.environ, **({"PYTHON": python} if python else {}))
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "offline_wheels.sh"), *args], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, env=env)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert not (tmp_path / "w").exists()  # nothing made before the arguments were checked
