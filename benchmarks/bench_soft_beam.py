@@ -3,7 +3,8 @@
 Same model, same batch (Multi30k-sized by default: 128 sentences, source 14 / target 16 tokens, an 8k joint
 vocabulary as in the README's sentencepiece run), the pipeline's demo-size LSTM and transformer. One update =
 criterion forward + backward + Adam step. Each configuration runs in its own process, so the peak resident
-memory it reports (``ru_maxrss``) is that configuration's own; the ratios are taken within one run.
+memory it reports (``ru_maxrss``) is that configuration's own; the ratios are taken within one run -- on a GPU
+within the configuration's process, against teacher-forcing updates timed alternately with its own.
 
     .venv/bin/python benchmarks/bench_soft_beam.py                  # CPU, the figures in docs/results.md
     .venv/bin/python benchmarks/bench_soft_beam.py --device cuda    # on a GPU (peak = max_memory_allocated)
@@ -78,25 +79,45 @@ def one_update(model, criterion, sample, optimizer, device):
     return log
 
 
-def time_updates(model, criterion, sample, device, repeats):
-    """Median seconds of ``repeats`` updates (forward + backward + Adam step, after one warm-up), the last
-    logging output, and the peak memory in MiB (CUDA: max allocated; CPU: this process's max RSS)."""
+def time_updates(model, criterion, sample, device, repeats, warmup, baseline=None):
+    """Median seconds of ``repeats`` updates (forward + backward + Adam step, after ``warmup`` untimed ones), the
+    last logging output, the peak memory in MiB (CUDA: max allocated; CPU: this process's max RSS) and, given
+    ``baseline`` (a function that builds another (model, criterion) for ``sample``), the median seconds of that
+    one's updates, timed alternately with these (else None). The peak is then read after the warm-up, before
+    the baseline's model exists."""
     import torch
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times, log = [], {}
-    for i in range(repeats + 1):
+    def timed(model, criterion, optimizer):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         log = one_update(model, criterion, sample, optimizer, device)
-        if i:  # the first update warms up allocators and caches
-            times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return statistics.median(times), log, peak
+        return time.perf_counter() - start, log
+
+    def peak_mib():
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated() / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    log, peak, base = {}, None, None
+    for _ in range(warmup if baseline is None else max(warmup, 1)):  # allocators, caches, a GPU's clocks
+        _, log = timed(model, criterion, optimizer)
+    if baseline is not None:
+        peak = peak_mib()
+        base_model, base_criterion = baseline()
+        base_optimizer = torch.optim.Adam(base_model.parameters(), lr=1e-4)
+        for _ in range(warmup):
+            timed(base_model, base_criterion, base_optimizer)
+        base = []
+    times = []
+    for _ in range(repeats):
+        if base is not None:
+            base.append(timed(base_model, base_criterion, base_optimizer)[0])
+        seconds, log = timed(model, criterion, optimizer)
+        times.append(seconds)
+    return (statistics.median(times), log, peak_mib() if peak is None else peak,
+            None if base is None else statistics.median(base))
 
 
 def child(cfg):
@@ -112,13 +133,31 @@ def child(cfg):
             sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=cfg["rho"], soft_beam_size=cfg["beam"],
             soft_beam_candidates=cfg["candidates"], soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"],
             perturbed_samples=cfg["samples"], teacher_forcing_pass=cfg["tf_pass"]))
-    seconds, log, peak = time_updates(model, criterion, sample, device, cfg["repeats"])
-    print(json.dumps({"seconds": seconds, "peak_mib": peak,
+
+    def teacher_forcing():  # the baseline: the same model built again (same seed), teacher forcing's criterion
+        tf_model, tf_task, _, _ = build_model_and_sample(cfg)
+        return tf_model, LabelSmoothedCrossEntropyCriterion(tf_task, False, 0.1)
+
+    # On a GPU the ratio to teacher forcing is taken in this process, alternately (see main()).
+    interleave = cfg["criterion"] != "tf" and device.type == "cuda"
+    seconds, log, peak, tf_seconds = time_updates(model, criterion, sample, device, cfg["repeats"],
+                                                  warmup_updates(cfg), teacher_forcing if interleave else None)
+    print(json.dumps({"seconds": seconds, "peak_mib": peak, "tf_seconds": tf_seconds,
                       "pruned_mass": float(log.get("pruned_mass", 0)) / max(log.get("soft_sentence_steps", 1), 1),
                       "iters": float(log.get("soft_topk_iters", 0)) / max(log.get("soft_topk_steps", 1), 1)}))
 
 
-BATCH_KEYS = ("bsz", "src_len", "tgt_len", "vocab", "repeats", "threads", "device")
+BATCH_KEYS = ("bsz", "src_len", "tgt_len", "vocab", "repeats", "warmup", "threads", "device")
+
+
+def warmup_updates(cfg) -> int:
+    """Untimed updates before the timed ones: ``--warmup``, else 1 on CPU and 5 on a GPU (after one warm-up, the
+    first configuration of a run -- teacher forcing, 20 timed updates on a GPU that had been idle -- took 0.026
+    s/update on an H200, and 0.018 s in the next run on the same machine: a GPU's clocks idle low until work
+    arrives)."""
+    if cfg.get("warmup") is not None:
+        return cfg["warmup"]
+    return 5 if cfg["device"].startswith("cuda") else 1
 
 
 def add_batch_arguments(p, repeats):
@@ -127,7 +166,8 @@ def add_batch_arguments(p, repeats):
     p.add_argument("--src-len", type=int, default=14)
     p.add_argument("--tgt-len", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--repeats", type=int, default=repeats, help="timed updates (median) after one warm-up")
+    p.add_argument("--repeats", type=int, default=repeats, help="timed updates (median) after the warm-up")
+    p.add_argument("--warmup", type=int, default=None, help="untimed updates first (default: 1 on CPU, 5 on a GPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -166,7 +206,12 @@ def main():
 
     print(f"batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, beam {a.beam}, rho {a.rho}, "
           f"scaling {a.scaling}, perturbed samples {a.perturbed_samples}, {a.threads} threads, {a.device}, "
-          f"median of {a.repeats} updates")
+          f"median of {a.repeats} updates after {warmup_updates(batch_config(a))} untimed")
+    if a.device.startswith("cuda"):
+        # Baselines from separate processes moved 0.018-0.026 s/update between two runs on one H200 (a 1.4x
+        # swing of every ratio); updates timed alternately in one process share the host's and the GPU's state.
+        print("x teacher forcing: against teacher-forcing updates of the same model, timed alternately with the "
+              "row's own in its process (the teacher-forcing row: its own process)")
     print("| arch | criterion | method | candidates M | s / update | x teacher forcing | peak MiB | x TF peak | "
           "pruned-mass bound / step | solver iters |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -184,11 +229,13 @@ def main():
                 rows.append(("soft_beam_search, rho 0 (L_SOFT only)", only))
                 # --teacher-forcing-mode sample: one of the two losses per batch, so its expected update time
                 # is the rho-weighted mean of the two measured times.
+                t_tf = only["tf_seconds"] or tf["seconds"]
                 rows.append((f"soft_beam_search, rho {a.rho}, sample (expected: rho t_TF + (1-rho) t_SOFT)",
-                             dict(only, seconds=a.rho * tf["seconds"] + (1 - a.rho) * only["seconds"],
+                             dict(only, seconds=a.rho * t_tf + (1 - a.rho) * only["seconds"],
                                   peak_mib=max(tf["peak_mib"], only["peak_mib"]))))
             for name, r in rows:
-                print(f"| {arch} | {name} | {method} | {label} | {r['seconds']:.3f} | {r['seconds'] / tf['seconds']:.2f} "
+                ratio = r["seconds"] / (r["tf_seconds"] or tf["seconds"])
+                print(f"| {arch} | {name} | {method} | {label} | {r['seconds']:.3f} | {ratio:.2f} "
                       f"| {r['peak_mib']:.0f} | {r['peak_mib'] / tf['peak_mib']:.2f} | {r['pruned_mass']:.2e} "
                       f"| {r['iters']:.1f} |", flush=True)
 

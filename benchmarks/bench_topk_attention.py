@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, time_updates  # noqa: E402
+from bench_soft_beam import (add_batch_arguments, batch_config, build_model_and_sample, time_updates,  # noqa: E402
+                             warmup_updates)
 
 VARIANTS = {
     "transformer (softmax)": dict(arch="transformer"),
@@ -33,8 +34,8 @@ def child(cfg):
 
     extra = dict(VARIANTS[cfg["variant"]], topk_attn_k=cfg["k"], topk_attn_epsilon=cfg["epsilon"])
     model, task, sample, device = build_model_and_sample(dict(cfg, arch="transformer"), extra)
-    seconds, _, peak = time_updates(model, LabelSmoothedCrossEntropyCriterion(task, False, 0.1), sample, device,
-                                    cfg["repeats"])
+    seconds, _, peak, _ = time_updates(model, LabelSmoothedCrossEntropyCriterion(task, False, 0.1), sample, device,
+                                    cfg["repeats"], warmup_updates(cfg))
     print(json.dumps({"seconds": seconds, "peak_mib": peak}))
 
 

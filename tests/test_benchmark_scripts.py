@@ -28,6 +28,37 @@ def test_benchmark_script_prints_its_table(script, args, rows):
     assert len(table) == rows + 1, out.stdout  # header + one row per configuration
 
 
+def test_soft_beam_benchmark_times_a_baseline_alternately_in_the_process():
+    """On a GPU bench_soft_beam takes each row's ratio against teacher-forcing updates timed alternately with the
+    row's own (time_updates' ``baseline``): the order of the updates, checked on CPU."""
+    sys.path.insert(0, BENCH)
+    from bench_soft_beam import build_model_and_sample, time_updates, warmup_updates
+
+    cfg = dict(arch="lstm", bsz=2, src_len=3, tgt_len=3, vocab=40, threads=1, device="cpu")
+    model, task, sample, device = build_model_and_sample(cfg)
+    calls = []
+
+    def criterion_named(name):
+        def criterion(model, sample):
+            calls.append(name)
+            loss = model(**sample["net_input"])[0].float().logsumexp(-1).mean()
+            return loss, 1, {}
+        return criterion
+
+    def baseline():
+        calls.append("built")
+        return build_model_and_sample(cfg)[0], criterion_named("tf")
+
+    seconds, _, peak, tf_seconds = time_updates(model, criterion_named("row"), sample, device, 3, 2, baseline)
+    assert calls == ["row", "row", "built", "tf", "tf"] + ["tf", "row"] * 3
+    assert seconds > 0 and tf_seconds > 0 and peak > 0
+    calls.clear()
+    assert time_updates(model, criterion_named("row"), sample, device, 2, 1)[3] is None
+    assert calls == ["row"] * 3
+    assert [warmup_updates(dict(device=d, warmup=w)) for d, w in [("cpu", None), ("cuda:0", None), ("cuda", 2)]] == [
+        1, 5, 2]
+
+
 def test_operator_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_soft_topk.py"), "--shapes", "generic",
                           "--repeats", "1", "--peer-repeats", "2", "--no-unrolled", "--threads", "1"],
