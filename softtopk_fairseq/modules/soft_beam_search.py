@@ -261,19 +261,20 @@ class _KeptScores(torch.autograd.Function):
         return grad_cum, grad_lprobs, None, None
 
 
-def _candidates(cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int) -> _Candidates:
-    """The step's candidate scores ``cum + log p`` of the ``k*V`` extensions (``eos``/``pad`` and the dead beams'
-    extensions -inf), or with ``0 < candidates < k*V`` the hard top-M of them (selected without autograd: the
-    relaxed top-k and its backward see M candidates per sentence instead of k*V)."""
+def _candidates(cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int) -> _Candidates:
+    """The step's candidate scores ``cum + log p`` of the ``k*V`` extensions (``ban``, (V,): -inf for ``eos`` and
+    ``pad``, else 0, added; the dead beams' extensions -inf through ``cum``), or with ``0 < candidates < k*V`` the
+    hard top-M of them (selected without autograd: the relaxed top-k and its backward see M candidates per
+    sentence instead of k*V)."""
     bsz, k, V = lprobs.shape
     if candidates <= 0 or candidates >= k * V:
-        cand = cum.unsqueeze(-1) + lprobs
-        cand[:, :, banned] = -torch.inf  # in place on a fresh tensor: add's backward does not need it
+        # In place on a fresh tensor (add's backward does not need it). An added -inf rather than an indexed
+        # assignment: one elementwise kernel, where ``cand[:, :, banned] = -inf`` also makes the value a device
+        # tensor and goes through advanced indexing's host-side set-up at every step.
+        cand = (cum.unsqueeze(-1) + lprobs).add_(ban)
         return _Candidates(cand.view(bsz, k * V), None, None, None)
     with torch.no_grad():
-        cand = cum.unsqueeze(-1) + lprobs
-        cand[:, :, banned] = -torch.inf
-        cand = cand.view(bsz, k * V)
+        cand = (cum.unsqueeze(-1) + lprobs).add_(ban).view(bsz, k * V)
         top, index = torch.topk(cand, candidates, dim=1)
     return _Candidates(_KeptScores.apply(cum, lprobs, index, top), index, top, cand)
 
@@ -347,12 +348,12 @@ class _Step(NamedTuple):
     pruned_terms: Optional[Tuple[Tensor, ...]]  # what bounds the rank mass lost to pruning; None without pruning
 
 
-def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, banned: Tensor, candidates: int,
+def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int,
                   bookkeeping: str) -> _Step:
     """The candidates of one step (pruned to ``candidates`` if asked), their relaxed top-k ``A``, the terms of
     the bound on what pruning lost (:meth:`Relaxation.pruned_terms`), and the hard bookkeeping that follows
     ``A``."""
-    c = _candidates(cum, lprobs, banned, candidates)
+    c = _candidates(cum, lprobs, ban, candidates)
     relaxed = relax.relax(c.kept)
     pruned = None
     if c.index is not None:
@@ -529,7 +530,6 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
     incremental_state = {}
     prefix = rows.inputs(torch.full((bsz, k, 1), eos, dtype=torch.long, device=device), 0).view(-1, 1)
-    banned = torch.tensor([pad, eos], device=device)
     base = (torch.arange(bsz, device=device) * rows.per_sentence).unsqueeze(1)
     trace = _Trace(bsz, device)
     cum: Optional[Tensor] = None
@@ -540,13 +540,15 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             lprobs = _log_probs(model, net_output)
             V = lprobs.shape[-1]
             lprobs = rows.split(lprobs.view(bsz, rows.per_sentence, V))
-            if cum is None:  # step 0: one live beam
+            if cum is None:  # step 0: one live beam; eos and pad banned as extensions
                 cum = lprobs.new_full((bsz, k), -torch.inf)
                 cum[:, 0] = 0
+                ban = lprobs.new_zeros(V)
+                ban[[pad, eos]] = -torch.inf
             trace.scores(lprobs, cum, target[:, t], eos)
             if t == T - 1:
                 break
-            step = _relaxed_step(relax, cum, lprobs, banned, candidates, bookkeeping)
+            step = _relaxed_step(relax, cum, lprobs, ban, candidates, bookkeeping)
             trace.step(step)
             cum = step.cum
             # The next step's input: the decoder state mixed (eq. (10)) and the soft tokens (eq. (9)).
