@@ -151,10 +151,9 @@ BATCH_KEYS = ("bsz", "src_len", "tgt_len", "vocab", "repeats", "warmup", "thread
 
 
 def warmup_updates(cfg) -> int:
-    """Untimed updates before the timed ones: ``--warmup``, else 1 on CPU and 5 on a GPU (after one warm-up, the
-    first configuration of a run -- teacher forcing, 20 timed updates on a GPU that had been idle -- took 0.026
-    s/update on an H200, and 0.018 s in the next run on the same machine: a GPU's clocks idle low until work
-    arrives)."""
+    """Untimed updates before the timed ones: ``--warmup``, else 1 on CPU and 5 on a GPU (after one warm-up,
+    teacher forcing took 0.026 and 0.025 s/update on an H200 as the first configuration of a run, 0.018 s after
+    other GPU work had run: what ran on the device and the host just before shows in a short timing)."""
     if cfg.get("warmup") is not None:
         return cfg["warmup"]
     return 5 if cfg["device"].startswith("cuda") else 1
