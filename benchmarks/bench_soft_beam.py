@@ -209,8 +209,8 @@ def main():
     if a.device.startswith("cuda"):
         # Baselines from separate processes moved 0.018-0.026 s/update between two runs on one H200 (a 1.4x
         # swing of every ratio); updates timed alternately in one process share the host's and the GPU's state.
-        print("x teacher forcing: against teacher-forcing updates of the same model, timed alternately with the "
-              "row's own in its process (the teacher-forcing row: its own process)")
+        print("x teacher forcing on a GPU: against teacher-forcing updates of the same model, timed alternately "
+              "with the row's own in its process (the teacher-forcing row: its own process)")
     print("| arch | criterion | method | candidates M | s / update | x teacher forcing | peak MiB | x TF peak | "
           "pruned-mass bound / step | solver iters |")
     print("|---|---|---|---|---|---|---|---|---|---|")
