@@ -4,9 +4,9 @@
 # 1. the tests that exercise CUDA (Triton kernels against the PyTorch path, property tests through Triton,
 #    mixed precision on CUDA), 2. the GPU sections of the benchmarks (operator: Triton vs our PyTorch path
 #    and the paper's code; the unsorted operator from k = 5 to n - 1; Triton launch parameters; soft
-#    beam-search update cost against teacher forcing, and its profile; top-k attention step cost), 3. a short
-#    fairseq-train with soft_beam_search and with transformer_topk_attn in fp16 (amp briefly; fairseq 0.12's
-#    --bf16 means a TPU), then fairseq-generate.
+#    beam-search update cost against teacher forcing, its profile and what its synchronisations cost; top-k
+#    attention step cost), 3. a short fairseq-train with soft_beam_search and with transformer_topk_attn in fp16
+#    (amp briefly; fairseq 0.12's --bf16 means a TPU), then fairseq-generate.
 # Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
 # test totals, and is printed at the end. Without a CUDA device it says so and exits 0.
 # GPU_CHECK_SECTIONS="tests train ..." runs only the named sections (default: all, in the order below).
@@ -85,6 +85,7 @@ section bench_unsorted_k "$py" benchmarks/bench_unsorted_k.py --device cuda
 section triton_tuning "$py" benchmarks/triton_tuning.py --repeats 10
 section bench_soft_beam "$py" benchmarks/bench_soft_beam.py --device cuda --threads 8 --repeats 10 --candidates 50 0
 section profile_soft_beam "$py" benchmarks/profile_soft_beam.py --device cuda --threads 8
+section soft_beam_sync_cost "$py" benchmarks/soft_beam_sync_cost.py --device cuda --threads 8
 section bench_topk_attention "$py" benchmarks/bench_topk_attention.py --device cuda --threads 8 --repeats 10
 section train "$py" benchmarks/gpu_train_check.py --workdir "$out/train"
 

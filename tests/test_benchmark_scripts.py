@@ -59,6 +59,43 @@ def test_soft_beam_benchmark_times_a_baseline_alternately_in_the_process():
         1, 5, 2]
 
 
+def test_sync_cost_experiment_skips_exactly_soft_topks_two_reads_and_restores_them():
+    """soft_beam_sync_cost.py's ``checks_skipped``: no host read in a Triton soft_topk call (under the interpreter
+    here) while active, the two of a normal call (status bits, iteration counts) after it; and the script's
+    table on CPU."""
+    sys.path.insert(0, BENCH)
+    import torch
+    from soft_beam_sync_cost import checks_skipped
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from softtopk_fairseq.ops import soft_topk
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 12)
+
+    def reads():
+        Reads.count = 0
+        with Reads():
+            soft_topk(x, 3, sorted=True, scaling="paper", backend="triton")
+        return Reads.count
+
+    with checks_skipped():
+        assert reads() == 0
+    assert reads() == 2
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "soft_beam_sync_cost.py"), "--bsz", "2", "--src-len",
+                          "3", "--tgt-len", "3", "--vocab", "40", "--repeats", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["update", "teacher forcing", "sum", "sum, checks skipped"], out.stdout
+
+
 def test_operator_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_soft_topk.py"), "--shapes", "generic",
                           "--repeats", "1", "--peer-repeats", "2", "--no-unrolled", "--threads", "1"],

@@ -298,9 +298,10 @@ def test_every_operator_refuses_nan_and_a_selected_infinity_unless_masked_by_one
 def test_warns_when_iteration_cap_is_hit():
     torch.manual_seed(10)
     x = torch.randn(2, 50, dtype=f64)
-    with pytest.warns(RuntimeWarning, match="marginal error"):
+    with pytest.warns(RuntimeWarning, match="marginal error") as record:
         _, info = soft_topk(x, 5, epsilon=0.05, sorted=True, max_iter=1, return_info=True)
     assert not bool(info.converged.all())
+    assert record[0].filename == __file__  # the warning names the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         soft_topk(x, 5, epsilon=0.05, sorted=True)

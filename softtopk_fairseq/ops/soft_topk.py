@@ -190,6 +190,21 @@ def _constant_temperature(x: Tensor, epsilon: float) -> Tensor:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _warn_if_capped(info: Tensor, tol: float, max_iter: int) -> None:
+    """Warn when some row stopped at ``max_iter`` above ``tol`` (one synchronisation on a device: the count of
+    iterations read back). tol=0 asks for exactly max_iter iterations: nothing to warn. Rows may also stop early
+    at their rounding floor (float32 scores far from 0 relative to epsilon carry only ~1e-7 * |x| / epsilon of
+    information); that is reported in the info, not warned about. (The row-wise test only when some row reached
+    max_iter.)"""
+    if tol > 0 and info.numel() and float(info[:, 0].max()) >= max_iter:
+        capped = (info[:, 0] >= max_iter) & (info[:, 1] > tol)
+        if bool(capped.any()):
+            warnings.warn(
+                f"soft_topk: {int(capped.sum())} row(s) hit max_iter={max_iter} with marginal error up to "
+                f"{float(info[:, 1].max()):.3g} > tol={tol:g} (raise max_iter or tol)",
+                RuntimeWarning, stacklevel=3)
+
+
 def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
     check_selection("soft_topk", scores, k, dim, "epsilon", epsilon, mask)
     if scaling not in SCALINGS:
@@ -354,16 +369,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     else:
         out, info, eps = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol),
                                               int(max_iter), method, backend)
-    # tol=0 asks for exactly max_iter iterations: nothing to warn. Rows may also stop early at their rounding
-    # floor (float32 scores far from 0 relative to epsilon carry only ~1e-7 * |x| / epsilon of information);
-    # that is reported in the info, not warned about. (The row-wise test only when some row reached max_iter.)
-    if not compiling and tol > 0 and info.numel() and float(info[:, 0].max()) >= max_iter:
-        capped = (info[:, 0] >= max_iter) & (info[:, 1] > tol)
-        if bool(capped.any()):
-            warnings.warn(
-                f"soft_topk: {int(capped.sum())} row(s) hit max_iter={max_iter} with marginal error up to "
-                f"{float(info[:, 1].max()):.3g} > tol={tol:g} (raise max_iter or tol)",
-                RuntimeWarning, stacklevel=2)
+    if not compiling:
+        _warn_if_capped(info, tol, max_iter)
     if sorted:
         out = out.reshape(*batch_shape, n, k).movedim(-2, dim)
     else:
