@@ -79,6 +79,17 @@ def one_update(model, criterion, sample, optimizer, device):
     return log
 
 
+def timed_update(model, criterion, sample, optimizer, device):
+    """Seconds of one update (:func:`one_update`, the device idle before it) and its logging output."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    log = one_update(model, criterion, sample, optimizer, device)
+    return time.perf_counter() - start, log
+
+
 def time_updates(model, criterion, sample, device, repeats, warmup, baseline=None):
     """Median seconds of ``repeats`` updates (forward + backward + Adam step, after ``warmup`` untimed ones), the
     last logging output, the peak memory in MiB (CUDA: max allocated; CPU: this process's max RSS) and, given
@@ -88,11 +99,7 @@ def time_updates(model, criterion, sample, device, repeats, warmup, baseline=Non
     import torch
 
     def timed(model, criterion, optimizer):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        log = one_update(model, criterion, sample, optimizer, device)
-        return time.perf_counter() - start, log
+        return timed_update(model, criterion, sample, optimizer, device)
 
     def peak_mib():
         if device.type == "cuda":

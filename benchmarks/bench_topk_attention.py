@@ -35,7 +35,7 @@ def child(cfg):
     extra = dict(VARIANTS[cfg["variant"]], topk_attn_k=cfg["k"], topk_attn_epsilon=cfg["epsilon"])
     model, task, sample, device = build_model_and_sample(dict(cfg, arch="transformer"), extra)
     seconds, _, peak, _ = time_updates(model, LabelSmoothedCrossEntropyCriterion(task, False, 0.1), sample, device,
-                                    cfg["repeats"], warmup_updates(cfg))
+                                       cfg["repeats"], warmup_updates(cfg))
     print(json.dumps({"seconds": seconds, "peak_mib": peak}))
 
 

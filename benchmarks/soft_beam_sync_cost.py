@@ -19,11 +19,10 @@ import importlib
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, one_update  # noqa: E402
-from bench_soft_beam import warmup_updates  # noqa: E402
+from bench_soft_beam import (add_batch_arguments, batch_config, build_model_and_sample, timed_update,  # noqa: E402
+                             warmup_updates)
 
 
 @contextlib.contextmanager
@@ -67,12 +66,9 @@ def main():
     for round_ in range(warmup + a.repeats):
         for model, criterion, sample, optimizer, context, times in updates.values():
             with context():
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                one_update(model, criterion, sample, optimizer, device)
-                if round_ >= warmup:
-                    times.append(time.perf_counter() - start)
+                seconds, _ = timed_update(model, criterion, sample, optimizer, device)
+            if round_ >= warmup:
+                times.append(seconds)
     print(f"{a.arch}, batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, beam 5, M 50, {device}, "
           f"{a.threads} threads, median of {a.repeats} alternating rounds after {warmup}")
     print("| update | ms (median) | ms (min) | x teacher forcing |\n|---|---|---|---|")
