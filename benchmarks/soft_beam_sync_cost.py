@@ -1,21 +1,20 @@
-"""What soft_topk's two host synchronisations per call cost a soft beam-search update.
+"""What soft_topk's host synchronisations per call cost a soft beam-search update.
 
 Three updates of the same model (same seed, each its own copy and Adam) on bench_soft_beam's batch, timed
 alternately in one process, median of ``--repeats`` rounds after ``--warmup`` untimed ones: teacher forcing
 (``label_smoothed_cross_entropy``), the ``sum`` update (rho 0.8, M 50, paper scaling, teacher forcing in the
-search), and the same update with soft_topk's two per-call checks skipped -- the Triton backend's read of the
-rows' status bits (``TritonBackend.raise_for_status``) and the max_iter warning's read of the iteration counts.
+search) as the search runs it -- soft_topk with ``check_errors=False``, nothing read back per step -- and the same
+update with soft_topk's two per-call checks made, as the search made them until the twenty-fifth session: the
+Triton backend's read of the rows' status bits and the max_iter warning's read of the iteration counts
+(:func:`checks_made`).
 
     python benchmarks/soft_beam_sync_cost.py --device cuda --threads 8 [--repeats 25]
 
-An experiment, not a mode: skipping the checks is only sound on scores known to be finite (this random batch).
-The difference says what a search without those synchronisations could gain -- on an H200, 3.6 ms of 74.4
-(docs/results.md, "On a GPU, third measurements"). On CPU the C backend's status is no synchronisation and only
-the warning's read is skipped.
+On an H200, skipping the two checks (then by a monkeypatch) saved 3.6 ms of 74.4 (docs/results.md, "On a GPU,
+third measurements"). On CPU the C backend's status is no synchronisation and only the warning's read differs.
 """
 import argparse
 import contextlib
-import importlib
 import os
 import statistics
 import sys
@@ -26,20 +25,15 @@ from bench_soft_beam import (add_batch_arguments, batch_config, build_model_and_
 
 
 @contextlib.contextmanager
-def checks_skipped():
-    """soft_topk without its two host reads (see the module docstring); restored on exit."""
-    from softtopk_fairseq.ops import backends
+def checks_made():
+    """The search's soft_topk calls with ``check_errors=True`` (two host reads each); restored on exit."""
+    from softtopk_fairseq.modules.soft_beam_search import OptimalTransport
 
-    # soft_topk the module (softtopk_fairseq.ops re-exports the function under the same name)
-    soft_topk_module = importlib.import_module("softtopk_fairseq.ops.soft_topk")
-    warn_if_capped = soft_topk_module._warn_if_capped
-    backends.TRITON.raise_for_status = lambda status: None  # an instance attribute over the method
-    soft_topk_module._warn_if_capped = lambda info, tol, max_iter: None
+    OptimalTransport.check_errors = True
     try:
         yield
     finally:
-        del backends.TRITON.raise_for_status
-        soft_topk_module._warn_if_capped = warn_if_capped
+        OptimalTransport.check_errors = False
 
 
 def main():
@@ -54,13 +48,13 @@ def main():
 
     cfg = dict(batch_config(a), arch=a.arch)
     updates = {}
-    for name in ("teacher forcing", "sum", "sum, checks skipped"):
+    for name in ("teacher forcing", "sum", "sum, checks made"):
         model, task, sample, device = build_model_and_sample(cfg)
         criterion = (LabelSmoothedCrossEntropyCriterion(task, False, 0.1) if name == "teacher forcing" else
                      SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
                          sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8,
                          soft_beam_candidates=50, soft_topk_scaling="paper", teacher_forcing_pass="search")))
-        context = checks_skipped if name.endswith("skipped") else contextlib.nullcontext
+        context = checks_made if name.endswith("made") else contextlib.nullcontext
         updates[name] = (model, criterion, sample, torch.optim.Adam(model.parameters(), lr=1e-4), context, [])
     warmup = warmup_updates(cfg)
     for round_ in range(warmup + a.repeats):

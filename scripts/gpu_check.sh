@@ -79,7 +79,7 @@ section() {  # section NAME COMMAND...: run it, log it, add its tables (or its l
 }
 
 section tests "$py" -m pytest -q -m "not slow" -p no:cacheprovider tests/test_fused_kernels.py tests/test_triton.py \
-    tests/test_soft_topk_properties.py tests/test_soft_topk.py tests/test_mixed_precision.py
+    tests/test_soft_topk_properties.py tests/test_soft_topk.py tests/test_mixed_precision.py tests/test_check_errors.py
 section bench_soft_topk "$py" benchmarks/bench_soft_topk.py --device cuda --repeats 10
 section bench_unsorted_k "$py" benchmarks/bench_unsorted_k.py --device cuda
 section triton_tuning "$py" benchmarks/triton_tuning.py --repeats 10

@@ -59,41 +59,39 @@ def test_soft_beam_benchmark_times_a_baseline_alternately_in_the_process():
         1, 5, 2]
 
 
-def test_sync_cost_experiment_skips_exactly_soft_topks_two_reads_and_restores_them():
-    """soft_beam_sync_cost.py's ``checks_skipped``: no host read in a Triton soft_topk call (under the interpreter
-    here) while active, the two of a normal call (status bits, iteration counts) after it; and the script's
-    table on CPU."""
+def test_sync_cost_experiment_makes_soft_topks_checks_in_the_search_and_restores_them():
+    """soft_beam_sync_cost.py's ``checks_made``: a soft beam search on the Triton backend (under the interpreter
+    here) reads back two values per step while active -- the status bits and the iteration counts -- and one
+    per search after it (the empty-target check); and the script's table on CPU."""
     sys.path.insert(0, BENCH)
     import torch
-    from soft_beam_sync_cost import checks_skipped
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from host_reads import HostReads
+    from soft_beam_sync_cost import checks_made
+    from tiny_models import batch, build, dictionary
 
-    from softtopk_fairseq.ops import soft_topk
+    from softtopk_fairseq.modules.soft_beam_search import soft_beam_search
+    from softtopk_fairseq.ops import use_backend
 
-    class Reads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Reads.count += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
-    x = torch.randn(3, 12)
+    d = dictionary(12)
+    model, sample = build("lstm", d, dtype=torch.float32), batch(d, tgt_lens=(5, 4, 6))
+    ni = sample["net_input"]
+    encoder_out = model.encoder(ni["src_tokens"], src_lengths=ni["src_lengths"])  # (it reads the padding: fairseq's)
 
     def reads():
-        Reads.count = 0
-        with Reads():
-            soft_topk(x, 3, sorted=True, scaling="paper", backend="triton")
-        return Reads.count
+        with use_backend("triton"), HostReads() as mode:
+            soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(), eos=d.eos(),
+                             beam=3, scaling="paper", encoder_out=encoder_out)
+        return mode.count
 
-    with checks_skipped():
-        assert reads() == 0
-    assert reads() == 2
+    with checks_made():
+        assert reads() >= 1 + 2 * 5  # 6 steps, the last without a relaxed top-k (+1 when a row reaches max_iter)
+    assert reads() == 1
     out = subprocess.run([sys.executable, os.path.join(BENCH, "soft_beam_sync_cost.py"), "--bsz", "2", "--src-len",
                           "3", "--tgt-len", "3", "--vocab", "40", "--repeats", "1", "--threads", "1"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["update", "teacher forcing", "sum", "sum, checks skipped"], out.stdout
+    assert rows == ["update", "teacher forcing", "sum", "sum, checks made"], out.stdout
 
 
 def test_operator_benchmark_prints_its_table():

@@ -41,8 +41,10 @@ def test_opcheck():
     valid[0, 0] = False
     eps = torch.full((3,), 0.5, dtype=torch.float64, requires_grad=True)
     for sorted in (False, True):
-        torch.library.opcheck(torch.ops.softtopk_fairseq.soft_topk.default,
-                              (x.clone().requires_grad_(), valid, eps, 2, sorted, 1e-10, 50, "newton", "torch"))
+        for check_errors in (True, False):
+            torch.library.opcheck(torch.ops.softtopk_fairseq.soft_topk.default,
+                                  (x.clone().requires_grad_(), valid, eps, 2, sorted, 1e-10, 50, "newton", "torch",
+                                   check_errors))
 
 
 def test_compiled_call_reports_the_temperature_like_eager():

@@ -1,5 +1,6 @@
 """The differentiable beam search and the soft_beam_search criterion, in Python on tiny models."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -614,3 +615,28 @@ def test_decoder_without_embed_tokens_is_a_clear_error():
     model.decoder.embed_tokens = None
     with pytest.raises(TypeError, match="embed_tokens"):
         run(model, batch(d), d, beam=2)
+
+
+def test_rows_capped_at_max_iter_are_logged_and_warned_about_once():
+    """The search reads nothing back per step, so soft_topk's own max_iter warning is off there; the criterion
+    counts the capped rows in its one read per batch (``soft_topk_capped``, per step in fairseq's logs) and warns
+    with one text -- shown once by Python's default filter."""
+    from fairseq import metrics
+
+    from softtopk_fairseq.criterions.soft_beam_search import CAPPED_WARNING
+
+    d = dictionary(12)
+    model, sample, task = build("lstm", d, dtype=torch.float64), batch(d), TinyTask(d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither soft_topk's warning nor the criterion's
+        _, _, log = _criterion(task, 0.5, soft_topk_epsilon=0.5)(model, sample)
+    assert log["soft_topk_capped"] == 0
+    out = run(model, sample, d, beam=3, epsilon=0.05, max_iter=1)
+    assert out.solver_capped.shape == out.solver_iterations.shape and int(out.solver_capped.sum()) > 0
+    with pytest.warns(RuntimeWarning) as caught:
+        _, _, log = _criterion(task, 0.5, soft_topk_epsilon=0.05, soft_topk_max_iter=1)(model, sample)
+    assert [str(w.message) for w in caught] == [CAPPED_WARNING]  # not soft_topk's, once per step
+    assert 0 < log["soft_topk_capped"] <= log["soft_sentence_steps"]  # rows: one per sentence and step
+    with metrics.aggregate() as agg:
+        SoftBeamSearchCriterion.reduce_metrics([log, log])
+    assert agg.get_smoothed_values()["soft_topk_capped"] == round(log["soft_topk_capped"] / log["soft_topk_steps"], 4)

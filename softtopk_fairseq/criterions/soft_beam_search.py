@@ -34,6 +34,7 @@ of an LSTM update's operations, counted); on a CPU, bound by arithmetic, it is n
 """
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -56,6 +57,8 @@ from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
 TEACHER_FORCING_PASSES = ("auto", "search", "separate")
+CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap above its tolerance on some rows "
+                  "(counted in the logs as soft_topk_capped); raise --soft-topk-max-iter or --soft-topk-tol")
 
 
 @dataclass
@@ -212,7 +215,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
     (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
     base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
-    iterations and a bound on its largest marginal error) and ``pruned_mass``."""
+    iterations and a bound on its largest marginal error), ``soft_topk_capped`` (rows per step it left at its
+    iteration cap unconverged; warned about once) and ``pruned_mass``."""
 
     def __init__(self, task, cfg: SoftBeamSearchConfig):
         """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a
@@ -307,13 +311,15 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             if nll_loss is None:
                 nll_loss = soft_loss.data  # no teacher-forcing pass: report the beam-search NLL
             steps = out.solver_iterations.numel()  # >= 1
-            # The three reports in one read from the device (one synchronisation, not three).
-            iters, err_max, pruned = torch.stack([out.solver_iterations.sum(), out.solver_error.max(),
-                                                  out.pruned_mass.sum()]).tolist()
+            # The four reports in one read from the device: the search itself reads nothing back per step.
+            iters, err_max, pruned, capped = torch.stack([out.solver_iterations.sum(), out.solver_error.max(),
+                                                          out.pruned_mass.sum(), out.solver_capped.sum()]).tolist()
+            if capped:
+                warnings.warn(CAPPED_WARNING, RuntimeWarning)  # one text: Python shows it once
             logging_output.update({
                 "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"],
                 "soft_topk_iters": iters, "soft_topk_steps": steps, "soft_topk_err_max": err_max,
-                "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
+                "soft_topk_capped": int(capped), "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
             })
         logging_output["loss"] = loss.data
         logging_output["nll_loss"] = nll_loss
@@ -353,6 +359,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             # keeps it an upper bound.
             metrics.log_scalar("soft_topk_err", sum(log.get("soft_topk_err_max", 0) for log in logging_outputs),
                                steps, round=8)
+            # Rows the solver left at --soft-topk-max-iter above --soft-topk-tol, per step (mostly 0).
+            metrics.log_scalar("soft_topk_capped", sum(log.get("soft_topk_capped", 0) for log in logging_outputs)
+                               / steps, steps, round=4)
             # Per sentence and step: the bound on the rank mass (out of k) lost to pruning.
             cells = sum(log.get("soft_sentence_steps", 0) for log in logging_outputs)
             metrics.log_scalar("pruned_mass", sum(log.get("pruned_mass", 0) for log in logging_outputs)

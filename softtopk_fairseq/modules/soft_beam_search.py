@@ -33,6 +33,7 @@ from torch import Tensor
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
 from softtopk_fairseq.ops import (BadScoresError, bad_score_rows, divide_by_temperature, effective_epsilon,
                                   perturbed_topk, soft_topk, softmax_k_times)
+from softtopk_fairseq.ops.soft_topk import DEFAULT_MAX_ITER
 
 BOOKKEEPING = ("argmax", "topk")
 PERTURBED_SAMPLES = 16  # default Gaussian draws per step of the "perturbed" relaxation
@@ -58,6 +59,9 @@ class SoftBeamOutput(NamedTuple):
     hypothesis_scores: Tensor  # (bsz, k) cumulative log-likelihood incl. eos, best first
     solver_iterations: Tensor  # (steps,) mean solver iterations per step (0 without a solver)
     solver_error: Tensor       # (steps,) max marginal error per step (0 without a solver)
+    # (steps,) the rows whose solver stopped at max_iter unconverged, per step (0 without a solver): what soft_topk
+    # would warn about, which the search leaves to its caller (it reads nothing back from the device per step)
+    solver_capped: Tensor
     pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
     # (bsz, T, V) the teacher-forced rows' log-probabilities (differentiable); None without ``teacher_forcing``
     teacher_forced_lprobs: Optional[Tensor] = None
@@ -70,6 +74,7 @@ class Relaxed(NamedTuple):
     temperature: Tensor          # (rows,) the smoothing scale each row used (:meth:`Relaxation.temperature`; detached)
     iterations: Optional[Tensor]  # (rows,) the solver's iterations (None without a solver)
     error: Optional[Tensor]       # (rows,) its marginal error (None without a solver)
+    converged: Optional[Tensor] = None  # (rows,) whether it met its tolerance (None without a solver)
 
 
 class Relaxation:
@@ -93,7 +98,8 @@ class Relaxation:
         from a model whose output went NaN or overflowed float16 -- gets a NaN ``A``, and so a NaN loss and
         gradients, as fairseq's own criteria give: its trainer then skips the batch and lowers the loss scale
         under ``--fp16`` / ``--amp``, or raises ``FloatingPointError`` with its NaN detector's report, where the
-        operator's error would end the run. Costs nothing while no row is bad (the operator's own check)."""
+        operator's error would end the run. Costs nothing while no row is bad: the operator's own check, and for
+        :class:`OptimalTransport` not even that (it asks ``soft_topk`` for NaN rows instead of an error)."""
         try:
             return self._relax(kept)
         except BadScoresError:
@@ -130,12 +136,23 @@ class Relaxation:
 
 
 class OptimalTransport(Relaxation):
-    """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`)."""
+    """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`), called with ``check_errors=False``:
+    on a GPU each of its checks would be a synchronisation per step, a wait for everything queued before it (5 %
+    of an update, measured: docs/results.md). A refused row comes out NaN, as :meth:`Relaxation.relax` promises,
+    and the rows capped at ``max_iter`` are counted (``SoftBeamOutput.solver_capped``) for the caller to report
+    once per batch."""
+
+    check_errors = False  # (a class attribute: benchmarks/soft_beam_sync_cost.py measures the checks by setting it)
 
     def _relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
-                            max_iter=self.max_iter, return_info=True)
-        return Relaxed(A, info.temperature, info.iterations.detach(), info.error.detach())
+                            max_iter=self.max_iter, check_errors=self.check_errors, return_info=True)
+        return Relaxed(A, info.temperature, info.iterations.detach(), info.error.detach(), info.converged)
+
+    def capped(self, iterations: Tensor, converged: Tensor) -> Tensor:
+        """Where the solver stopped at ``max_iter`` unconverged (what ``soft_topk`` warns about), from its
+        iterations and convergence flags (any shape, e.g. all steps stacked)."""
+        return (iterations >= (DEFAULT_MAX_ITER["newton"] if self.max_iter is None else self.max_iter)) & ~converged
 
     def pruned_terms(self, relaxed, kept, rest):
         r"""At the kept problem's dual potentials a candidate of score ``x`` gets
@@ -370,7 +387,7 @@ class _Trace:
 
     def __init__(self, bsz: int, device: torch.device):
         self.gold_lp, self.final_lp, self.parents, self.tokens = [], [], [], []
-        self.iterations, self.errors, self.pruned = [], [], []  # per step; reduced once, in output()
+        self.iterations, self.errors, self.converged, self.pruned = [], [], [], []  # per step; reduced in output()
         self.bsz, self.device = bsz, device
 
     def scores(self, lprobs: Tensor, cum: Tensor, gold: Tensor, eos: int) -> None:
@@ -383,6 +400,7 @@ class _Trace:
         if step.relaxed.iterations is not None:  # a solver's relaxation (the others report nothing: empty lists)
             self.iterations.append(step.relaxed.iterations)
             self.errors.append(step.relaxed.error)
+            self.converged.append(step.relaxed.converged)
         if step.pruned_terms is not None:
             self.pruned.append(step.pruned_terms)
         self.parents.append(step.parent)
@@ -399,6 +417,8 @@ class _Trace:
             hypothesis_scores=ranked_scores,
             solver_iterations=torch.stack(self.iterations).float().mean(1) if self.iterations else zero,
             solver_error=torch.stack(self.errors).float().amax(1) if self.errors else zero,
+            solver_capped=(relax.capped(torch.stack(self.iterations), torch.stack(self.converged)).sum(1)
+                           if self.iterations else zero.long()),
             pruned_mass=(relax.pruned_bound(*map(torch.stack, zip(*self.pruned))).sum(0).float() if self.pruned
                          else torch.zeros(self.bsz, device=self.device)),
             teacher_forced_lprobs=teacher_forced_lprobs,

@@ -52,11 +52,22 @@ class Backend:
     name = "torch"
 
     def solve(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float,
-              max_iter: int, method: str) -> Tuple[Tensor, Tensor]:
+              max_iter: int, method: str, check_errors: bool = True) -> Tuple[Tensor, Tensor]:
         """The op's forward on (rows, n) scores ``x`` (``-inf`` where excluded), the caller's ``mask`` (rows, n)
-        (or None) and the per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf),
+        (or None) and the per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf; without
+        ``check_errors`` the rows it would refuse are solved as zeros and come out NaN: :func:`refused_rows`),
         normalises them by the centre x_(k) and ``eps``, and solves from the hard-assignment start
         (:meth:`forward`)."""
+        if check_errors:
+            return self._solve_checked(x, mask, eps, k, sorted, tol, max_iter, method)
+        refused = refused_rows(x, valid_entries(x, mask), eps)
+        x, eps = without_rows(x, eps, refused)
+        out, info = self._solve_checked(x, mask, eps, k, sorted, tol, max_iter, method)
+        return nan_rows(out, refused), info
+
+    def _solve_checked(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float,
+                       max_iter: int, method: str) -> Tuple[Tensor, Tensor]:
+        """:meth:`solve`, raising on the rows it refuses."""
         valid = valid_entries(x, mask)
         n_valid = valid.sum(-1)
         all_valid = bool((n_valid == x.shape[-1]).all())
@@ -103,11 +114,11 @@ class Backend:
         return eps, torch.where(use_hi, hi_at, lo_at), slope
 
     def solve_paper(self, x: Tensor, mask: Optional[Tensor], anchor_top: float, epsilon: float, k: int,
-                    sorted: bool, tol: float, max_iter: int, method: str):
+                    sorted: bool, tol: float, max_iter: int, method: str, check_errors: bool = True):
         """The op's forward at the paper scaling's temperature: (out, info, eps, at, slope), as
         :meth:`paper_temperature` then :meth:`solve`; a backend that has both in one pass overrides it."""
         eps, at, slope = self.paper_temperature(x, mask, anchor_top, epsilon)
-        return (*self.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, at, slope)
+        return (*self.solve(x, mask, eps, k, sorted, tol, max_iter, method, check_errors), eps, at, slope)
 
     def row_top(self, x: Tensor, valid: Tensor, kk: int) -> Tensor:
         """The ``kk`` largest valid scores of each row, decreasing; ``-inf`` past the valid ones, NaN first."""
@@ -174,18 +185,32 @@ class FusedBackend(Backend):
         """Raise ValueError on the status a forward launcher returned (``launch.STATUS_BITS``)."""
         raise NotImplementedError
 
-    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method):
+    def refusing(self, status, result: Tuple[Tensor, ...], x: Tensor, mask: Optional[Tensor], eps: Tensor,
+                 again) -> Tuple[Tensor, ...]:
+        """A forward's ``result`` (out first) without ``check_errors``: NaN on the rows ``status`` reports bad
+        (the kernels leave them unsolved). ``again(x, eps)``: the same call on other scores, for a backend that
+        cannot tell the bad rows apart without reading them back."""
+        raise NotImplementedError
+
+    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method, check_errors=True):
         forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
         out, info, status, _, _, _ = self._launch(forward, x, mask, eps, k, score_bound(x.dtype, k), tol, max_iter)
-        self.raise_for_status(status)
-        return out, info
+        if check_errors:
+            self.raise_for_status(status)
+            return out, info
+        return self.refusing(status, (out, info), x, mask, eps,
+                             lambda x, eps: self.solve(x, mask, eps, k, sorted, tol, max_iter, method))
 
-    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method):
+    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method, check_errors=True):
         forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
         out, info, status, eps, at, slope = self._launch(forward, x, mask, None, k, score_bound(x.dtype, k), tol,
                                                          max_iter, (anchor_top, epsilon))
-        self.raise_for_status(status)
-        return out, info, eps, at, slope
+        if check_errors:
+            self.raise_for_status(status)
+            return out, info, eps, at, slope
+        return self.refusing(status, (out, info, eps, at, slope), x, mask, eps,
+                             lambda x, _: self.solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter,
+                                                           method))
 
     def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
         backward = self.kernels.backward if sorted else self.kernels.unsorted_backward
@@ -222,6 +247,15 @@ class CpuBackend(FusedBackend):
     def raise_for_status(self, status):
         _raise_for_status(status)
 
+    def refusing(self, status, result, x, mask, eps, again):
+        if not status:
+            return result
+        # One status for the whole call, and a bad row can leave its neighbours unsolved (the unsorted kernel
+        # solves rows in groups): find the bad rows (CPU tensors: nothing to synchronise) and solve again without.
+        refused = refused_rows(x, valid_entries(x, mask), eps)
+        out, *rest = again(*without_rows(x, eps, refused))
+        return nan_rows(out, refused), *rest
+
 
 class TritonBackend(FusedBackend):
     """The Triton kernels (``triton_kernels.py``); CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``). Their
@@ -252,6 +286,10 @@ class TritonBackend(FusedBackend):
     def raise_for_status(self, status):
         _raise_for_row_status(status)
 
+    def refusing(self, status, result, x, mask, eps, again):
+        out, *rest = result
+        return nan_rows(out, status != 0), *rest  # per row, as the kernel solved them: no read back
+
     def _launch(self, fn, *args):
         try:
             return fn(*args)
@@ -264,6 +302,28 @@ def valid_entries(x: Tensor, mask: Optional[Tensor]) -> Tensor:
     ``largest=False``) and, given a mask, where it is True."""
     valid = x != -torch.inf
     return valid if mask is None else valid & mask
+
+
+def refused_rows(x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
+    """(rows,) True on the rows of (rows, n) scores that the op refuses (the fused kernels' status bits, what
+    :func:`_check_scores` raises on), found by tensor operations without reading anything back: a NaN anywhere,
+    +inf on a valid entry, or an infinite temperature ``eps`` with a range of valid scores that overflows."""
+    highest = torch.where(valid, x, -torch.inf).amax(-1)
+    lowest = torch.where(valid, x, torch.inf).amin(-1)
+    return (torch.isnan(x).any(-1) | (highest == torch.inf) | (~(eps < torch.inf) & (highest - lowest == torch.inf)))
+
+
+def without_rows(x: Tensor, eps: Tensor, refused: Tensor) -> Tuple[Tensor, Tensor]:
+    """(rows, n) scores and their (rows,) temperatures with the ``refused`` rows replaced by zeros and 1 -- a row
+    every backend solves -- so that the others are solved as they would be alone."""
+    return torch.where(refused.unsqueeze(-1), 0.0, x), torch.where(refused, 1.0, eps)
+
+
+def nan_rows(out: Tensor, refused: Optional[Tensor]) -> Tensor:
+    """``out`` (rows, ...) with NaN on the ``refused`` rows (None: none)."""
+    if refused is None:
+        return out
+    return torch.where(refused.view(-1, *(1,) * (out.dim() - 1)), torch.nan, out)
 
 
 def score_bound(dtype: torch.dtype, k: int) -> float:

@@ -28,8 +28,8 @@ Masking, degenerate rows, dtypes
 ``-inf`` scores (``+inf`` with ``largest=False``) and ``mask == False`` entries are excluded: they get exactly 0 and zero gradient and do not
 count in ``n``. A row with ``n_valid <= k`` valid entries gets 1 on every valid entry (unsorted) or the soft
 sort of its valid entries over ranks ``0..n_valid-1`` (sorted; ranks ``>= n_valid`` are 0). An all-masked row
-is all zeros. NaN or ``+inf`` scores (``ops.BadScoresError``), ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float
-scores raise.
+is all zeros. NaN or ``+inf`` scores (``ops.BadScoresError``; with ``check_errors=False`` a NaN row of output
+instead), ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float scores raise.
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
 import warnings
@@ -79,9 +79,10 @@ def _with_fallback(backend: str, impl: backends.Backend, call):
 
 
 def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
-           method: str, backend: str) -> Tuple[Tensor, Tensor]:
+           method: str, backend: str, check_errors: bool) -> Tuple[Tensor, Tensor]:
     impl = backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.solve(x, mask, eps, k, sorted, tol, max_iter, method))
+    return _with_fallback(backend, impl, lambda b: b.solve(x, mask, eps, k, sorted, tol, max_iter, method,
+                                                           check_errors))
 
 
 def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
@@ -92,12 +93,12 @@ def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor],
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
 def _soft_topk_op(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
-                  method: str, backend: str) -> Tuple[Tensor, Tensor]:
-    return _solve(x, mask, eps, k, sorted, tol, max_iter, method, backend)
+                  method: str, backend: str, check_errors: bool) -> Tuple[Tensor, Tensor]:
+    return _solve(x, mask, eps, k, sorted, tol, max_iter, method, backend, check_errors)
 
 
 @_soft_topk_op.register_fake
-def _(x, mask, eps, k, sorted, tol, max_iter, method, backend):
+def _(x, mask, eps, k, sorted, tol, max_iter, method, backend, check_errors):
     shape = (*x.shape, k) if sorted else x.shape
     return x.new_empty(shape), x.new_empty((x.shape[0], 2))
 
@@ -114,16 +115,25 @@ def _(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad):
 
 
 def _setup_context(ctx, inputs, output):
-    x, mask, eps, k, sorted, tol, max_iter, method, backend = inputs
+    x, mask, eps, k, sorted, tol, max_iter, method, backend, check_errors = inputs
     ctx.save_for_backward(output[0], x, mask, eps)
-    ctx.k, ctx.sorted, ctx.backend = k, sorted, backend
+    ctx.k, ctx.sorted, ctx.backend, ctx.check_errors = k, sorted, backend, check_errors
 
 
 def _backward_fn(ctx, grad_out, grad_info):
     out, x, mask, eps = ctx.saved_tensors
     grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted,
                                               ctx.backend, ctx.needs_input_grad[2])
-    return grad_x, None, grad_eps, None, None, None, None, None, None
+    if not ctx.check_errors:
+        grad_x, grad_eps = _nan_on_refused(out, grad_x, grad_eps)
+    return grad_x, None, grad_eps, None, None, None, None, None, None, None
+
+
+def _nan_on_refused(out: Tensor, *grads: Tensor):
+    """Without ``check_errors`` a refused row's output is NaN (and no valid row's is): so is its gradient, whatever
+    the backward computed from it (the kernels read a NaN plan as an empty one)."""
+    refused = torch.isnan(out.view(out.shape[0], -1)[:, 0])
+    return tuple(backends.nan_rows(g, refused) for g in grads)
 
 
 _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
@@ -136,20 +146,20 @@ class _SoftTopKEager(torch.autograd.Function):
     in place, instead of a separate autograd node whose backward builds a dense (rows, n) gradient to add."""
 
     @staticmethod
-    def forward(ctx, x, mask, epsilon, scaling, k, sorted, tol, max_iter, method, backend):
+    def forward(ctx, x, mask, epsilon, scaling, k, sorted, tol, max_iter, method, backend, check_errors):
         out, info, eps, at, slope = _solve_with_temperature(x, mask, epsilon, scaling, k, sorted, tol, max_iter,
-                                                            method, backend)
+                                                            method, backend, check_errors)
         # eps is returned for SolverInfo only: dL/deps * d eps / d x is added by this node's backward.
         ctx.mark_non_differentiable(info, eps)
         ctx.set_materialize_grads(False)  # no zero gradients built for info and eps (two launches per call)
         ctx.save_for_backward(out, x, mask, eps, at, slope)
-        ctx.k, ctx.sorted, ctx.backend = k, sorted, backend
+        ctx.k, ctx.sorted, ctx.backend, ctx.check_errors = k, sorted, backend, check_errors
         return out, info, eps
 
     @staticmethod
     def backward(ctx, grad_out, grad_info, grad_eps_reported):
         if grad_out is None:  # not materialised (set_materialize_grads): the loss does not depend on out
-            return (None,) * 10
+            return (None,) * 11
         out, x, mask, eps, at, slope = ctx.saved_tensors
         paper = at is not None
         grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted, ctx.backend,
@@ -157,20 +167,23 @@ class _SoftTopKEager(torch.autograd.Function):
         if paper:
             grad_x.scatter_add_(-1, at.unsqueeze(-1), implicit_backward.paper_temperature_grad(grad_eps, slope)
                                 .unsqueeze(-1))
-        return grad_x, None, None, None, None, None, None, None, None, None
+        if not ctx.check_errors:
+            grad_x, = _nan_on_refused(out, grad_x)
+        return grad_x, None, None, None, None, None, None, None, None, None, None
 
 
 def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, k: int, sorted: bool,
-                            tol: float, max_iter: int, method: str, backend: str):
+                            tol: float, max_iter: int, method: str, backend: str, check_errors: bool):
     """The per-row temperature and the op's forward, by one backend: (out, info, eps, at, slope); ``at`` and
     ``slope`` (where the paper scaling's maximal cost sits, d eps / d x there) are None for a constant
     temperature."""
 
     def call(impl: backends.Backend):
         if scaling == "paper":
-            return impl.solve_paper(x, mask, _top_anchor(k, sorted), epsilon, k, sorted, tol, max_iter, method)
+            return impl.solve_paper(x, mask, _top_anchor(k, sorted), epsilon, k, sorted, tol, max_iter, method,
+                                    check_errors)
         eps = _constant_temperature(x, epsilon)
-        return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method), eps, None, None)
+        return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method, check_errors), eps, None, None)
 
     return _with_fallback(backend, backends.select(x, method, backend, sorted), call)
 
@@ -314,7 +327,7 @@ def _row_mask(mask: Optional[Tensor], shape: torch.Size, dim: int) -> Optional[T
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
               largest: bool = True, mask: Optional[Tensor] = None, scaling: str = "none",
               tol: Optional[float] = None, max_iter: Optional[int] = None, method: str = "newton",
-              backend: str = "auto", return_info: bool = False):
+              backend: str = "auto", check_errors: bool = True, return_info: bool = False):
     r"""Differentiable top-k indicator of ``scores`` along ``dim`` (see the module docstring for the math).
 
     Args:
@@ -339,6 +352,12 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
             installed, C on CPU when a C compiler is (see ``cpu_kernels``) -- PyTorch otherwise),
             ``"torch"``, ``"triton"`` or ``"cpu"`` (both float32 only; ``"triton"`` with
             ``TRITON_INTERPRET=1`` also runs on CPU tensors, slowly -- for tests).
+        check_errors: ``True``: raise on refused scores and warn when a row hits ``max_iter``, each check one
+            synchronisation on a GPU (a value read back). ``False``, like the ``check_errors`` of
+            ``torch.linalg``'s ``*_ex`` functions: nothing is read back -- a refused row's output and gradient are
+            NaN instead (as a NaN in the scores would make them in a PyTorch operation), and a capped row is only
+            reported in the info (``return_info``: iterations ``max_iter``, not converged). For callers that run
+            many calls per step on a GPU and look at the result once (e.g. the soft beam search's loss).
         return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged, temperature)
             per row.
 
@@ -364,12 +383,13 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     compiling = torch.compiler.is_compiling()
     if compiling:
         eps = _row_temperature(x, row_mask, k, epsilon, sorted, scaling, backend, method)
-        out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend)
+        out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend,
+                                  bool(check_errors))
         eps = eps.detach()
     else:
         out, info, eps = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol),
-                                              int(max_iter), method, backend)
-    if not compiling:
+                                              int(max_iter), method, backend, bool(check_errors))
+    if check_errors and not compiling:
         _warn_if_capped(info, tol, max_iter)
     if sorted:
         out = out.reshape(*batch_shape, n, k).movedim(-2, dim)

@@ -1,0 +1,16 @@
+"""A dispatch mode that counts the operations reading a tensor's value back to the host: each one a
+synchronisation on a GPU (on CPU tensors the same operations are issued, so they can be counted here)."""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class HostReads(TorchDispatchMode):
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
