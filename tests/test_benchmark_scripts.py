@@ -17,6 +17,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("script,args,rows", [
     ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2", "--methods", "ot", "perturbed"], 9),
+    ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2", "--teacher-forcing-passes",
+                            "search", "--compile-step"], 5),
     ("bench_topk_attention.py", [], 6),
 ])
 def test_benchmark_script_prints_its_table(script, args, rows):
