@@ -1,0 +1,100 @@
+"""Where a soft beam-search update's time goes by phase -- the criterion's forward, the backward, the optimizer
+step -- against teacher forcing, and how many kernels each update launches.
+
+Three updates of the same model (same seed, each its own copy and Adam) on bench_soft_beam's batch, timed
+alternately in one process, each phase finished on the device before the next starts (median of ``--repeats``
+rounds after ``--warmup`` untimed ones): teacher forcing (``label_smoothed_cross_entropy``), the ``sum`` update
+(rho 0.8, M 50, paper scaling, teacher forcing in the search) and the same with ``--soft-beam-compile``. On a
+GPU the launches are counted with torch.profiler over one more update of each (the runtime's kernel-launch
+calls: PyTorch's and Triton's, the compiled kernels included).
+
+    python benchmarks/soft_beam_phases.py --device cuda --threads 8 [--repeats 20] [--bsz 128]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, warmup_updates  # noqa: E402
+
+PHASES = ("forward", "backward", "step")
+# The CUDA runtime / driver calls that launch a kernel (cuLaunchKernel*: Triton's launcher, Inductor's kernels).
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def timed_phases(model, criterion, sample, optimizer, device):
+    """Seconds of each phase of one update, the device synchronised around each."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    optimizer.zero_grad()
+    sync()
+    marks = [time.perf_counter()]
+    loss = criterion(model, sample)[0]
+    sync()
+    marks.append(time.perf_counter())
+    loss.backward()
+    sync()
+    marks.append(time.perf_counter())
+    optimizer.step()
+    sync()
+    marks.append(time.perf_counter())
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def launches(model, criterion, sample, optimizer):
+    """Kernel launches of one update (CUDA: the profiler's launch calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_phases(model, criterion, sample, optimizer, sample["target"].device)
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="lstm")
+    add_batch_arguments(p, repeats=20)
+    a = p.parse_args()
+    import torch
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
+
+    cfg = dict(batch_config(a), arch=a.arch)
+    updates = {}
+    for name in ("teacher forcing", "sum", "sum, --soft-beam-compile"):
+        model, task, sample, device = build_model_and_sample(cfg)
+        criterion = (LabelSmoothedCrossEntropyCriterion(task, False, 0.1) if name == "teacher forcing" else
+                     SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+                         sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8,
+                         soft_beam_candidates=50, soft_topk_scaling="paper", teacher_forcing_pass="search",
+                         soft_beam_compile=name.endswith("compile"))))
+        updates[name] = (model, criterion, sample, torch.optim.Adam(model.parameters(), lr=1e-4), [])
+    warmup = warmup_updates(cfg)
+    for round_ in range(warmup + a.repeats):
+        for model, criterion, sample, optimizer, times in updates.values():
+            seconds = timed_phases(model, criterion, sample, optimizer, device)
+            if round_ >= warmup:
+                times.append(seconds)
+    counted = device.type == "cuda"
+    print(f"{a.arch}, batch {a.bsz} x (src {a.src_len}, tgt {a.tgt_len}), vocab {a.vocab}, beam 5, M 50, {device}, "
+          f"{a.threads} threads, median of {a.repeats} alternating rounds after {warmup}, each phase synchronised")
+    print("| update | forward ms | backward ms | step ms | total ms | x teacher forcing | kernel launches |\n"
+          "|---|---|---|---|---|---|---|")
+    base = None
+    for name, (model, criterion, sample, optimizer, times) in updates.items():
+        phases = [statistics.median(t[i] for t in times) * 1e3 for i in range(len(PHASES))]
+        total = statistics.median(sum(t) for t in times) * 1e3
+        base = base or total
+        count = launches(model, criterion, sample, optimizer) if counted else "-"
+        print(f"| {name} | {' | '.join(f'{x:.1f}' for x in phases)} | {total:.1f} | {total / base:.2f} | {count} |")
+
+
+if __name__ == "__main__":
+    main()
