@@ -139,8 +139,7 @@ def child(cfg):
         criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
             sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=cfg["rho"], soft_beam_size=cfg["beam"],
             soft_beam_candidates=cfg["candidates"], soft_topk_method=cfg["method"], soft_topk_scaling=cfg["scaling"],
-            perturbed_samples=cfg["samples"], teacher_forcing_pass=cfg["tf_pass"],
-            soft_beam_compile=cfg.get("compile_step", False)))
+            perturbed_samples=cfg["samples"], teacher_forcing_pass=cfg["tf_pass"]))
 
     def teacher_forcing():  # the baseline: the same model built again (same seed), teacher forcing's criterion
         tf_model, tf_task, _, _ = build_model_and_sample(cfg)
@@ -197,8 +196,6 @@ def main():
     p.add_argument("--scaling", default="paper", choices=["paper", "none"], help="--soft-topk-scaling")
     p.add_argument("--teacher-forcing-passes", nargs="+", default=["search", "separate"],
                    choices=["search", "separate"], help="--teacher-forcing-pass values of the sum-mode rows")
-    p.add_argument("--compile-step", action="store_true",
-                   help="also the first sum-mode row with --soft-beam-compile (the first update compiles: untimed)")
     add_batch_arguments(p, repeats=3)
     a = p.parse_args()
     if a.child:
@@ -233,9 +230,6 @@ def main():
             rows = [(f"soft_beam_search, rho {a.rho}, sum, teacher forcing {tf_pass}",
                      measure(arch=arch, criterion="soft", candidates=m, method=method, tf_pass=tf_pass))
                     for tf_pass in a.teacher_forcing_passes]
-            if a.compile_step:
-                rows.append((f"{rows[0][0]}, --soft-beam-compile", measure(
-                    arch=arch, criterion="soft", candidates=m, method=method, compile_step=True)))
             if 0 < a.rho < 1:
                 only = measure(arch=arch, criterion="soft", candidates=m, rho=0.0, method=method)
                 rows.append(("soft_beam_search, rho 0 (L_SOFT only)", only))

@@ -1,16 +1,21 @@
 """Where a soft beam-search update's time goes by phase -- the criterion's forward, the backward, the optimizer
-step -- against teacher forcing, and how many kernels each update launches.
+step -- against teacher forcing, how many kernels each update launches, and what soft_topk's host reads cost.
 
 Three updates of the same model (same seed, each its own copy and Adam) on bench_soft_beam's batch, timed
 alternately in one process, each phase finished on the device before the next starts (median of ``--repeats``
 rounds after ``--warmup`` untimed ones): teacher forcing (``label_smoothed_cross_entropy``), the ``sum`` update
-(rho 0.8, M 50, paper scaling, teacher forcing in the search) and the same with ``--soft-beam-compile``. On a
-GPU the launches are counted with torch.profiler over one more update of each (the runtime's kernel-launch
-calls: PyTorch's and Triton's, the compiled kernels included).
+(rho 0.8, M 50, paper scaling, teacher forcing in the search) as the search runs it -- soft_topk with
+``check_errors=False``, nothing read back per step -- and the same update with soft_topk's two per-call checks
+made, as the search made them until the twenty-fifth session (:func:`checks_made`: the Triton backend's read of
+the rows' status bits, the max_iter warning's read of the iteration counts). On a GPU the launches are counted
+with torch.profiler over one more update of each (the runtime's kernel-launch calls, PyTorch's and Triton's).
 
     python benchmarks/soft_beam_phases.py --device cuda --threads 8 [--repeats 20] [--bsz 128]
+
+(It replaces soft_beam_sync_cost.py, which timed the same three updates whole; docs/results.md has both.)
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -20,8 +25,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, warmup_updates  # noqa: E402
 
 PHASES = ("forward", "backward", "step")
-# The CUDA runtime / driver calls that launch a kernel (cuLaunchKernel*: Triton's launcher, Inductor's kernels).
+# The CUDA runtime / driver calls that launch a kernel (cuLaunchKernel*: Triton's launcher).
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+@contextlib.contextmanager
+def checks_made():
+    """The search's soft_topk calls with ``check_errors=True`` (two host reads each); restored on exit."""
+    from softtopk_fairseq.modules.soft_beam_search import OptimalTransport
+
+    OptimalTransport.check_errors = True
+    try:
+        yield
+    finally:
+        OptimalTransport.check_errors = False
 
 
 def timed_phases(model, criterion, sample, optimizer, device):
@@ -68,18 +85,19 @@ def main():
 
     cfg = dict(batch_config(a), arch=a.arch)
     updates = {}
-    for name in ("teacher forcing", "sum", "sum, --soft-beam-compile"):
+    for name in ("teacher forcing", "sum", "sum, checks made"):
         model, task, sample, device = build_model_and_sample(cfg)
         criterion = (LabelSmoothedCrossEntropyCriterion(task, False, 0.1) if name == "teacher forcing" else
                      SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
                          sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8,
-                         soft_beam_candidates=50, soft_topk_scaling="paper", teacher_forcing_pass="search",
-                         soft_beam_compile=name.endswith("compile"))))
-        updates[name] = (model, criterion, sample, torch.optim.Adam(model.parameters(), lr=1e-4), [])
+                         soft_beam_candidates=50, soft_topk_scaling="paper", teacher_forcing_pass="search")))
+        context = checks_made if name.endswith("made") else contextlib.nullcontext
+        updates[name] = (model, criterion, sample, torch.optim.Adam(model.parameters(), lr=1e-4), context, [])
     warmup = warmup_updates(cfg)
     for round_ in range(warmup + a.repeats):
-        for model, criterion, sample, optimizer, times in updates.values():
-            seconds = timed_phases(model, criterion, sample, optimizer, device)
+        for model, criterion, sample, optimizer, context, times in updates.values():
+            with context():
+                seconds = timed_phases(model, criterion, sample, optimizer, device)
             if round_ >= warmup:
                 times.append(seconds)
     counted = device.type == "cuda"
@@ -88,11 +106,12 @@ def main():
     print("| update | forward ms | backward ms | step ms | total ms | x teacher forcing | kernel launches |\n"
           "|---|---|---|---|---|---|---|")
     base = None
-    for name, (model, criterion, sample, optimizer, times) in updates.items():
+    for name, (model, criterion, sample, optimizer, context, times) in updates.items():
         phases = [statistics.median(t[i] for t in times) * 1e3 for i in range(len(PHASES))]
         total = statistics.median(sum(t) for t in times) * 1e3
         base = base or total
-        count = launches(model, criterion, sample, optimizer) if counted else "-"
+        with context():
+            count = launches(model, criterion, sample, optimizer) if counted else "-"
         print(f"| {name} | {' | '.join(f'{x:.1f}' for x in phases)} | {total:.1f} | {total / base:.2f} | {count} |")
 
 

@@ -85,7 +85,7 @@ section bench_unsorted_k "$py" benchmarks/bench_unsorted_k.py --device cuda
 section triton_tuning "$py" benchmarks/triton_tuning.py --repeats 10
 section bench_soft_beam "$py" benchmarks/bench_soft_beam.py --device cuda --threads 8 --repeats 10 --candidates 50 0
 section profile_soft_beam "$py" benchmarks/profile_soft_beam.py --device cuda --threads 8
-section soft_beam_sync_cost "$py" benchmarks/soft_beam_sync_cost.py --device cuda --threads 8
+section soft_beam_phases "$py" benchmarks/soft_beam_phases.py --device cuda --threads 8
 section bench_topk_attention "$py" benchmarks/bench_topk_attention.py --device cuda --threads 8 --repeats 10
 section train "$py" benchmarks/gpu_train_check.py --workdir "$out/train"
 

@@ -17,8 +17,6 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("script,args,rows", [
     ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2", "--methods", "ot", "perturbed"], 9),
-    ("bench_soft_beam.py", ["--archs", "lstm", "--candidates", "20", "--beam", "2", "--teacher-forcing-passes",
-                            "search", "--compile-step"], 5),
     ("bench_topk_attention.py", [], 6),
 ])
 def test_benchmark_script_prints_its_table(script, args, rows):
@@ -61,14 +59,14 @@ def test_soft_beam_benchmark_times_a_baseline_alternately_in_the_process():
         1, 5, 2]
 
 
-def test_sync_cost_experiment_makes_soft_topks_checks_in_the_search_and_restores_them():
-    """soft_beam_sync_cost.py's ``checks_made``: a soft beam search on the Triton backend (under the interpreter
+def test_phases_benchmark_makes_soft_topks_checks_in_the_search_and_restores_them():
+    """soft_beam_phases.py's ``checks_made``: a soft beam search on the Triton backend (under the interpreter
     here) reads back two values per step while active -- the status bits and the iteration counts -- and one
     per search after it (the empty-target check); and the script's table on CPU."""
     sys.path.insert(0, BENCH)
     import torch
     from host_reads import HostReads
-    from soft_beam_sync_cost import checks_made
+    from soft_beam_phases import checks_made
     from tiny_models import batch, build, dictionary
 
     from softtopk_fairseq.modules.soft_beam_search import soft_beam_search
@@ -88,12 +86,14 @@ def test_sync_cost_experiment_makes_soft_topks_checks_in_the_search_and_restores
     with checks_made():
         assert reads() >= 1 + 2 * 5  # 6 steps, the last without a relaxed top-k (+1 when a row reaches max_iter)
     assert reads() == 1
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "soft_beam_sync_cost.py"), "--bsz", "2", "--src-len",
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "soft_beam_phases.py"), "--bsz", "2", "--src-len",
                           "3", "--tgt-len", "3", "--vocab", "40", "--repeats", "1", "--threads", "1"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["update", "teacher forcing", "sum", "sum, checks made"], out.stdout
+    assert all(float(cell) > 0 for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line
+               and "update" not in line for cell in line.split("|")[2:7]), out.stdout  # the phases and the total
 
 
 def test_operator_benchmark_prints_its_table():

@@ -96,6 +96,25 @@ def test_the_triton_path_reads_nothing_back(sorted, bad):
     assert reads(True) >= 1 if bad else reads(True) == 2
 
 
+@pytest.mark.parametrize("sorted", [True, False])
+def test_the_unchecked_triton_path_adds_no_operation(sorted):
+    """The Triton kernels write a refused row's output and gradient as NaN themselves: without the checks a call
+    issues the checked call's operations less its checks -- nothing added in their place."""
+    if not _triton_usable():
+        pytest.skip("no triton runtime")
+    x = torch.randn(6, 20, device=_device("triton"))
+
+    def counted(check_errors):
+        scores = x.clone().requires_grad_()
+        with HostReads() as mode:
+            soft_topk(scores, 3, sorted=sorted, scaling="paper", backend="triton", check_errors=check_errors).sum(
+                ).backward()
+        return mode.operations, mode.count
+
+    (unchecked, _), (checked, checked_reads) = counted(False), counted(True)
+    assert unchecked <= checked - 2 * checked_reads  # each read: the reduction it reads and the read itself
+
+
 def test_capped_rows_are_reported_in_the_info_not_warned_about():
     torch.manual_seed(0)
     x = torch.randn(4, 30)

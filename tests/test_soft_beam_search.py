@@ -640,32 +640,3 @@ def test_rows_capped_at_max_iter_are_logged_and_warned_about_once():
     with metrics.aggregate() as agg:
         SoftBeamSearchCriterion.reduce_metrics([log, log])
     assert agg.get_smoothed_values()["soft_topk_capped"] == round(log["soft_topk_capped"] / log["soft_topk_steps"], 4)
-
-
-def test_compiled_step_gives_the_eager_search_and_stops_compiling_once_shapes_are_dynamic():
-    """``compile_step``: the step's work between two decoder calls through torch.compile (Inductor; here its CPU
-    code), without a graph break: the same losses, hypotheses and gradients as eager; a second batch shape
-    compiles the graphs again with symbolic sizes, and a third compiles nothing."""
-    from torch._dynamo.utils import counters
-
-    d = dictionary(12)
-    model = build("lstm", d, dtype=torch.float32)
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    for sample in (batch(d, bsz=4, src_len=6, tgt_lens=(3, 6, 5, 4), seed=2), batch(d),
-                   batch(d, bsz=5, src_len=7, tgt_lens=(7, 2, 5, 4, 6), seed=3)):
-        results = []
-        for compile_step in (False, True):
-            model.zero_grad()
-            out = run(model, sample, d, beam=2, scaling="paper", candidates=10, compile_step=compile_step)
-            out.nll.sum().backward()
-            results.append((out, [p.grad.clone() for p in model.parameters()]))
-        (eager, eager_grads), (compiled, compiled_grads) = results
-        torch.testing.assert_close(compiled.nll, eager.nll)
-        assert torch.equal(compiled.hypotheses, eager.hypotheses)
-        for a, b in zip(compiled_grads, eager_grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert graphs[0] == 2 and graphs[1] == graphs[2] <= 4, graphs  # the first step's graph and the others'

@@ -113,11 +113,6 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                      "get, per sentence and step -- a value near k (e.g. 5 at beam 5) means no "
                                      "guarantee, not that all mass was pruned"})
 
-    soft_beam_compile: bool = field(
-        default=False, metadata={"help": "torch.compile each decoding step's work between two decoder calls "
-                                         "(candidates, relaxed top-k, bookkeeping, state mixing, soft inputs) into "
-                                         "fused kernels: fewer kernel launches per update on a GPU; the first "
-                                         "update compiles (tens of seconds)"})
 
 
 def _ddp_wrapper(model):
@@ -244,7 +239,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             epsilon=cfg.perturbed_sigma if method == "perturbed" else cfg.soft_topk_epsilon,
             scaling=str(cfg.soft_topk_scaling), tol=cfg.soft_topk_tol, max_iter=cfg.soft_topk_max_iter,
             candidates=cfg.soft_beam_candidates, bookkeeping=str(cfg.soft_beam_bookkeeping),
-            samples=cfg.perturbed_samples, compile_step=cfg.soft_beam_compile)
+            samples=cfg.perturbed_samples)
         self.eos = task.target_dictionary.eos()
 
     def forward(self, model, sample, reduce=True):

@@ -384,26 +384,9 @@ def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, c
 def _search_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int, bookkeeping: str,
                  embed) -> Tuple[_Step, Tensor, Tensor]:
     """One step's tensor work between two decoder calls: :func:`_relaxed_step`, then the state mixing and the soft
-    inputs it implies (:func:`_soft_order_and_input`): (step, mixing, soft inputs). What ``compile_step``
-    compiles."""
+    inputs it implies (:func:`_soft_order_and_input`): (step, mixing, soft inputs)."""
     step = _relaxed_step(relax, cum, lprobs, ban, candidates, bookkeeping)
     return (step, *_soft_order_and_input(step.relaxed.A, step.candidates, embed, lprobs.shape[-1]))
-
-
-_compiled_search_step = None
-
-
-def compiled_search_step():
-    """:func:`_search_step` under ``torch.compile`` (Inductor), made on first use and kept for the process. Its
-    graphs: one for the first step (the cumulative scores there are constants) and one for the others, compiled
-    for the first batch's shapes and once more, with symbolic sizes, when another batch size or length comes --
-    then no more (tested); and as many again for each relaxation configuration. (``dynamic=True`` from the start
-    would also make the relaxation's float options symbolic, which the operator's argument checks cannot
-    trace.)"""
-    global _compiled_search_step
-    if _compiled_search_step is None:
-        _compiled_search_step = torch.compile(_search_step)
-    return _compiled_search_step
 
 
 class _Trace:
@@ -519,7 +502,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
                      candidates: int = 0, bookkeeping: str = "argmax",
                      samples: int = PERTURBED_SAMPLES, encoder_out=None,
-                     teacher_forcing: Optional[Tensor] = None, compile_step: bool = False) -> SoftBeamOutput:
+                     teacher_forcing: Optional[Tensor] = None) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
@@ -545,11 +528,6 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             for both losses instead of a second decoder pass. fairseq's incremental decoding computes what its
             full pass does, so these are the full pass's log-probabilities (tested; up to rounding and, in
             training, dropout masks).
-        compile_step: run each step's candidates, relaxed top-k, bookkeeping, state mixing and soft inputs
-            -- everything between two decoder calls -- through ``torch.compile`` (:func:`compiled_search_step`):
-            a few fused kernels each way instead of ~100 operations per step, for a GPU, where an update is
-            bound by launching them. The first call compiles (tens of seconds); the results are the eager
-            ones up to rounding (tested).
     """
     problems = search_option_problems(beam, candidates)
     if bookkeeping not in BOOKKEEPING:
@@ -583,7 +561,6 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     base = (torch.arange(bsz, device=device) * rows.per_sentence).unsqueeze(1)
     trace = _Trace(bsz, device)
     cum: Optional[Tensor] = None
-    search_step = compiled_search_step() if compile_step else _search_step
 
     with SoftTokenInput(embed) as soft_input:
         for t in range(T):
@@ -600,7 +577,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             if t == T - 1:
                 break
             # The next step's input: the decoder state mixed (eq. (10)) and the soft tokens (eq. (9)).
-            step, mixing, soft = search_step(relax, cum, lprobs, ban, candidates, bookkeeping, embed)
+            step, mixing, soft = _search_step(relax, cum, lprobs, ban, candidates, bookkeeping, embed)
             trace.step(step)
             cum = step.cum
             order = (base + rows.parent(step.parent)).view(-1)

@@ -82,13 +82,23 @@ class Backend:
                             method)
 
     def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
-                  sorted: bool, eps_grad: bool) -> Tuple[Tensor, Tensor]:
-        """dL/dx (rows, n) and dL/deps (rows,; zeros unless ``eps_grad``) from the op's output."""
+                  sorted: bool, eps_grad: bool, check_errors: bool = True) -> Tuple[Tensor, Tensor]:
+        """dL/dx (rows, n) and dL/deps (rows,; zeros unless ``eps_grad``) from the op's output; without
+        ``check_errors``, NaN on the rows it refused (:meth:`refused_gradients`)."""
         valid = valid_entries(x, mask)
         grad_x = self.backward(grad_out, out, valid, eps, k, sorted)
         if not eps_grad:  # a constant temperature (scaling="none"): no dL/deps to form
-            return grad_x, torch.zeros_like(eps)
-        return grad_x, implicit_backward.temperature_grad(grad_x, x, valid, eps)
+            grads = grad_x, torch.zeros_like(eps)
+        else:
+            grads = grad_x, implicit_backward.temperature_grad(grad_x, x, valid, eps)
+        return grads if check_errors else self.refused_gradients(out, grads)
+
+    def refused_gradients(self, out: Tensor, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+        """``grads`` (each (rows, ...)) with NaN on the rows whose output is NaN: the rows refused without
+        ``check_errors`` (never a solved one), whatever the backward computed from them -- it reads a NaN plan
+        as an empty one."""
+        refused = torch.isnan(out.view(out.shape[0], -1)[:, 0])
+        return tuple(nan_rows(g, refused) for g in grads)
 
     def paper_temperature(self, x: Tensor, mask: Optional[Tensor], anchor_top: float,
                           epsilon: float) -> Tuple[Tensor, Tensor, Tensor]:
@@ -212,10 +222,11 @@ class FusedBackend(Backend):
                              lambda x, _: self.solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter,
                                                            method))
 
-    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad):
+    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad, check_errors=True):
         backward = self.kernels.backward if sorted else self.kernels.unsorted_backward
         grad_x, grad_eps = self._launch(backward, out, grad_out, x, mask, eps, k, eps_grad)
-        return grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
+        grads = grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
+        return grads if check_errors else self.refused_gradients(out, grads)
 
     def paper_temperature(self, x, mask, anchor_top, epsilon):
         return self._launch(self.kernels.paper_temperature, x, mask, anchor_top, epsilon)  # (-inf: excluded there)
@@ -287,8 +298,10 @@ class TritonBackend(FusedBackend):
         _raise_for_row_status(status)
 
     def refusing(self, status, result, x, mask, eps, again):
-        out, *rest = result
-        return nan_rows(out, status != 0), *rest  # per row, as the kernel solved them: no read back
+        return result  # the kernels write a bad row's output as NaN themselves: nothing to read back, or to launch
+
+    def refused_gradients(self, out, grads):
+        return grads  # the backward kernels write NaN where the output is NaN
 
     def _launch(self, fn, *args):
         try:

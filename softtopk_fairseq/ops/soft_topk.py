@@ -86,9 +86,10 @@ def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool,
 
 
 def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
-               sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+               sorted: bool, backend: str, eps_grad: bool, check_errors: bool) -> Tuple[Tensor, Tensor]:
     impl = backends.select(x, "newton", backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad))
+    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad,
+                                                               check_errors))
 
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
@@ -105,12 +106,12 @@ def _(x, mask, eps, k, sorted, tol, max_iter, method, backend, check_errors):
 
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
-                           sorted: bool, backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
-    return _gradients(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad)
+                           sorted: bool, backend: str, eps_grad: bool, check_errors: bool) -> Tuple[Tensor, Tensor]:
+    return _gradients(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad, check_errors)
 
 
 @_soft_topk_backward_op.register_fake
-def _(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad):
+def _(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad, check_errors):
     return x.new_empty(x.shape), x.new_empty(x.shape[:1])
 
 
@@ -123,17 +124,8 @@ def _setup_context(ctx, inputs, output):
 def _backward_fn(ctx, grad_out, grad_info):
     out, x, mask, eps = ctx.saved_tensors
     grad_x, grad_eps = _soft_topk_backward_op(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted,
-                                              ctx.backend, ctx.needs_input_grad[2])
-    if not ctx.check_errors:
-        grad_x, grad_eps = _nan_on_refused(out, grad_x, grad_eps)
+                                              ctx.backend, ctx.needs_input_grad[2], ctx.check_errors)
     return grad_x, None, grad_eps, None, None, None, None, None, None, None
-
-
-def _nan_on_refused(out: Tensor, *grads: Tensor):
-    """Without ``check_errors`` a refused row's output is NaN (and no valid row's is): so is its gradient, whatever
-    the backward computed from it (the kernels read a NaN plan as an empty one)."""
-    refused = torch.isnan(out.view(out.shape[0], -1)[:, 0])
-    return tuple(backends.nan_rows(g, refused) for g in grads)
 
 
 _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
@@ -163,12 +155,10 @@ class _SoftTopKEager(torch.autograd.Function):
         out, x, mask, eps, at, slope = ctx.saved_tensors
         paper = at is not None
         grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted, ctx.backend,
-                                      paper)
+                                      paper, ctx.check_errors)
         if paper:
             grad_x.scatter_add_(-1, at.unsqueeze(-1), implicit_backward.paper_temperature_grad(grad_eps, slope)
                                 .unsqueeze(-1))
-        if not ctx.check_errors:
-            grad_x, = _nan_on_refused(out, grad_x)
         return grad_x, None, None, None, None, None, None, None, None, None, None
 
 

@@ -307,6 +307,7 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     for start in range(0, n, BLOCK_N):
         p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
                        LOGIT_CLAMP)
+        p = tl.where(status == 0, p, float("nan"))  # a bad row: NaN (what check_errors=False returns)
         offs_n = start + tl.arange(0, BLOCK_N)
         ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
         tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
@@ -316,16 +317,18 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
 def _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK: tl.constexpr,
                  MP: tl.constexpr, BLOCK_N: tl.constexpr, PLAN_FLOOR: tl.constexpr):
     """Plan tile rebuilt from the sorted output (rest column = 1 - taken; entries at or below PLAN_FLOOR, the
-    clamped forward's floor, as 0), the upstream gradient tile, and the raw scores with their validity."""
+    clamped forward's floor, as 0), the upstream gradient tile, the raw scores with their validity, and how many
+    NaN the output tile held (a refused row's output is all NaN)."""
     x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
     offs_n = start + tl.arange(0, BLOCK_N)
     lane = tl.arange(0, MP)
     m2 = keep[:, None] & (lane[None, :] < k)
     p = tl.load(out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
     g = tl.load(g_ptr + (row * n + offs_n[:, None]) * k + lane[None, :], mask=m2, other=0.0)
+    nans = tl.sum(tl.sum((p != p).to(tl.int32), axis=1), axis=0)
     rest = tl.maximum(1.0 - tl.sum(p, axis=1), 0.0)
     p = tl.where((lane[None, :] == k) & keep[:, None] & (rest_on != 0), rest[:, None], p)
-    return tl.where(p > PLAN_FLOOR, p, 0.0), g, x, keep
+    return tl.where(p > PLAN_FLOOR, p, 0.0), g, x, keep, nans
 
 
 @triton.jit
@@ -349,9 +352,11 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_pt
     s = tl.zeros((MP,), dtype=tl.float32)
     v = tl.zeros((MP,), dtype=tl.float32)
     ppt = tl.zeros((MP, MP), dtype=tl.float32)
+    nans = tl.zeros((), dtype=tl.int32)
     for start in range(0, n, BLOCK_N):
-        p, g, x, keep = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
-                                     BLOCK_N, PLAN_FLOOR)
+        p, g, x, keep, tile_nans = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on,
+                                                HAS_MASK, MP, BLOCK_N, PLAN_FLOOR)
+        nans += tile_nans
         g_bar = tl.sum(p * g, axis=1)
         v += tl.sum(p * (g - g_bar[:, None]), axis=0)
         s += tl.sum(p, axis=0)
@@ -361,16 +366,16 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_pt
     x_mean = x_sum / tl.maximum(n_valid, 1).to(tl.float32)
     moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
     for start in range(0, n, BLOCK_N):
-        p, g, x, keep = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
-                                     BLOCK_N, PLAN_FLOOR)
+        p, g, x, keep, _ = _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HAS_MASK, MP,
+                                        BLOCK_N, PLAN_FLOOR)
         y_bar = tl.sum(p * y[None, :], axis=1)
         grad = tl.where(keep, tl.sum(p * (y[None, :] - y_bar[:, None]) * (g - w[None, :]), axis=1) / eps, 0.0)
         offs_n = start + tl.arange(0, BLOCK_N)
-        tl.store(grad_ptr + row * n + offs_n, grad, mask=offs_n < n)
+        tl.store(grad_ptr + row * n + offs_n, tl.where(nans == 0, grad, float("nan")), mask=offs_n < n)
         if EPS_GRAD:
             moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
     if EPS_GRAD:
-        tl.store(grad_eps_ptr + row, -moment / eps)
+        tl.store(grad_eps_ptr + row, tl.where(nans == 0, -moment / eps, float("nan")))
 
 
 @triton.jit
@@ -517,7 +522,8 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
         s, _ = _sigmoid_pair(u - tau)
         a = tl.where(solve, s, 1.0)
         offs_n = start + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + row * n + offs_n, tl.where(keep, a, 0.0), mask=offs_n < n)
+        a = tl.where(status == 0, tl.where(keep, a, 0.0), float("nan"))  # a bad row: NaN
+        tl.store(out_ptr + row * n + offs_n, a, mask=offs_n < n)
 
 
 @triton.jit
@@ -541,12 +547,14 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr
     num = tl.zeros((), dtype=tl.float32)
     den = tl.zeros((), dtype=tl.float32)
     n_valid = tl.zeros((), dtype=tl.int32)
+    nans = tl.zeros((), dtype=tl.int32)  # a refused row's output is all NaN: so is its gradient
     x_sum = tl.zeros((), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
         x, keep = _raw_tile(x_ptr, valid_ptr, row, n, start, HAS_MASK, BLOCK_N)
         offs_n = start + tl.arange(0, BLOCK_N)
         a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
         g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
+        nans += tl.sum((a != a).to(tl.int32), axis=0)
         w = a * (1.0 - a)
         num += tl.sum(g * w, axis=0)
         den += tl.sum(w, axis=0)
@@ -562,11 +570,11 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr
         a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
         g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
         grad = tl.where(keep, a * (1.0 - a) * (g - mean_g) / eps, 0.0)
-        tl.store(grad_ptr + row * n + offs_n, grad, mask=offs_n < n)
+        tl.store(grad_ptr + row * n + offs_n, tl.where(nans == 0, grad, float("nan")), mask=offs_n < n)
         if EPS_GRAD:
             moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
     if EPS_GRAD:
-        tl.store(grad_eps_ptr + row, -moment / eps)
+        tl.store(grad_eps_ptr + row, tl.where(nans == 0, -moment / eps, float("nan")))
 
 
 def padded_anchors(m: int) -> int:
