@@ -114,7 +114,6 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                      "guarantee, not that all mass was pruned"})
 
 
-
 def _ddp_wrapper(model):
     """The torch DistributedDataParallel wrapping ``model`` (fairseq: ``ModuleProxyWrapper(DDP(model))``), or
     None."""

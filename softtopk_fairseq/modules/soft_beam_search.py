@@ -137,12 +137,13 @@ class Relaxation:
 
 class OptimalTransport(Relaxation):
     """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`), called with ``check_errors=False``:
-    on a GPU each of its checks would be a synchronisation per step, a wait for everything queued before it (5 %
-    of an update, measured: docs/results.md). A refused row comes out NaN, as :meth:`Relaxation.relax` promises,
-    and the rows capped at ``max_iter`` are counted (``SoftBeamOutput.solver_capped``) for the caller to report
-    once per batch."""
+    on a GPU each of its checks would be a synchronisation per step, a wait for everything queued before it --
+    free while the GPU waits on the host (the LSTM benchmark: no difference measured, docs/results.md), not when
+    the GPU is the bottleneck. A refused row comes out NaN, as :meth:`Relaxation.relax` promises, and the rows
+    capped at ``max_iter`` are counted (``SoftBeamOutput.solver_capped``) for the caller to report once per
+    batch."""
 
-    check_errors = False  # (a class attribute: benchmarks/soft_beam_sync_cost.py measures the checks by setting it)
+    check_errors = False  # (a class attribute: benchmarks/soft_beam_phases.py measures the checks by setting it)
 
     def _relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,

@@ -197,8 +197,8 @@ class FusedBackend(Backend):
 
     def refusing(self, status, result: Tuple[Tensor, ...], x: Tensor, mask: Optional[Tensor], eps: Tensor,
                  again) -> Tuple[Tensor, ...]:
-        """A forward's ``result`` (out first) without ``check_errors``: NaN on the rows ``status`` reports bad
-        (the kernels leave them unsolved). ``again(x, eps)``: the same call on other scores, for a backend that
+        """A forward's ``result`` (out first) without ``check_errors``: NaN on the rows ``status`` reports bad,
+        which the kernels do not solve. ``again(x, eps)``: the same call on other scores, for a backend that
         cannot tell the bad rows apart without reading them back."""
         raise NotImplementedError
 

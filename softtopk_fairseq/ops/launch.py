@@ -10,7 +10,8 @@ import torch
 # NaN anywhere in the row, +inf on a valid entry, or an infinite temperature with scores whose range overflows
 # float32 (the paper scaling's temperature, epsilon * max cost / 2, is +inf once |scores| pass ~1.8e19 -- the
 # cost squares them --, which normalises every score to 0, the right limit, unless x - centre is infinite too:
-# inf / inf). The row is left unsolved and the caller raises (backends.FusedBackend.raise_for_status). Handed
+# inf / inf). The row is left unsolved (the Triton kernels write it as NaN) and the caller raises
+# (backends.FusedBackend.raise_for_status), or with check_errors=False returns it as NaN. Handed
 # to the kernels (constexprs, -D flags) from here.
 BAD_NAN, BAD_INF, BAD_SCALE = 2, 4, 8
 STATUS_BITS = {"BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF, "BAD_SCALE": BAD_SCALE}

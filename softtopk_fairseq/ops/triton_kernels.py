@@ -25,6 +25,10 @@ bits ``launch.STATUS_BITS``, passed in as constexpr arguments (never restated he
 * unsorted backward (:func:`unsorted_backward`): two passes per row, dL/deps in the second.
 * the paper scaling's temperature alone (:func:`paper_temperature`).
 
+A bad row (its status bits set) is not solved: the forwards write it as NaN, and the backwards write NaN for a
+row whose output is NaN -- what ``soft_topk(..., check_errors=False)`` returns, with no operation outside the
+kernels (the checked call raises on the status instead).
+
 Kept free of libdevice, inline asm, block pointers and ``break``, so that the interpreter
 (``TRITON_INTERPRET=1``) runs it on CPU tensors for the tests.
 """
