@@ -457,6 +457,11 @@ class _BeamRows:
         """(bsz, k, k) the beams' state mixing (eq. (10)) -> every row's (bsz, per_sentence, per_sentence)."""
         return mixing
 
+    def embedded_inputs(self, soft: Tensor, t: int) -> Tensor:
+        """(bsz, k, dim) the beams' soft inputs for step ``t`` -> every row's input embedding (bsz, per_sentence,
+        dim), which replaces the decoder's own lookup (:class:`SoftTokenInput`)."""
+        return soft
+
     def lprobs(self) -> Optional[Tensor]:
         """What the extra rows computed (None here)."""
         return None
@@ -467,10 +472,13 @@ class _TeacherForcedRows(_BeamRows):
     ``prev_output_tokens``, continuing itself, its state never mixed with the beams' (mixing weight exactly 1 on
     itself, 0 on the beams); its log-probabilities collected step by step."""
 
-    def __init__(self, prev_output_tokens: Tensor, k: int):
+    def __init__(self, prev_output_tokens: Tensor, k: int, embed):
         super().__init__(k)
         self.per_sentence = k + 1
         self.gold_inputs = prev_output_tokens
+        # Every step's gold input embedded in one lookup: each step's input then replaces the decoder's own
+        # lookup whole, whose backward -- a sort-based kernel sequence on CUDA -- would otherwise run every step.
+        self.gold_embedded = embed(prev_output_tokens).unsqueeze(2).unbind(1)  # T x (bsz, 1, dim)
         self.itself = prev_output_tokens.new_full((prev_output_tokens.shape[0], 1), k)
         self.own_weight = torch.zeros(k + 1, k + 1, device=prev_output_tokens.device)
         self.own_weight[k, k] = 1
@@ -492,6 +500,9 @@ class _TeacherForcedRows(_BeamRows):
         if self.own_weight.dtype != mixing.dtype:  # once per search
             self.own_weight = self.own_weight.to(mixing.dtype)
         return torch.nn.functional.pad(mixing, (0, 1, 0, 1)) + self.own_weight
+
+    def embedded_inputs(self, soft, t):
+        return torch.cat([soft, self.gold_embedded[t].to(soft.dtype)], 1)
 
     def lprobs(self):
         """(bsz, T, V) the teacher-forced rows' log-probabilities at every step."""
@@ -551,7 +562,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         raise ValueError(f"soft_beam_search: teacher_forcing of shape {tuple(teacher_forcing.shape)} must be "
                          f"shaped like target {tuple(target.shape)} (fairseq's prev_output_tokens)")
     # Decoder rows per sentence: its k beams, then its teacher-forced row if asked.
-    rows = _BeamRows(k) if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k)
+    rows = _BeamRows(k) if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k, embed)
 
     if encoder_out is None:
         encoder_out = model.encoder(src_tokens, src_lengths=src_lengths)
@@ -584,6 +595,6 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             order = (base + rows.parent(step.parent)).view(-1)
             decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, rows.mix(mixing)))
             prefix = torch.cat([prefix[order], rows.inputs(step.token.unsqueeze(-1), t + 1).view(-1, 1)], 1)
-            soft_input.pending = soft  # the beams' rows; a teacher-forced row keeps its gold token's embedding
+            soft_input.pending = rows.embedded_inputs(soft, t + 1)
 
     return trace.output(relax, lengths, pad, eos, rows.lprobs())

@@ -74,8 +74,9 @@ class SoftTokenInput:
     While installed, setting :attr:`pending` to a ``(groups, s, dim)`` tensor makes the next lookup of an
     ``(N, 1)`` token tensor (``N = groups * g``, ``g >= s``) return it in the first ``s`` rows of every group of
     ``g`` rows, and the looked-up embeddings in the others (``s = g``: all of them, e.g. ``pending`` of shape
-    ``(N, 1, dim)``); other lookups are untouched. The soft beam search's groups are its sentences: ``s`` beams
-    fed soft tokens, then (``g = s + 1``) a teacher-forced row fed its gold token.
+    ``(N, 1, dim)``); other lookups are untouched. The soft beam search's groups are its sentences, whose every
+    row it feeds (``s = g``): its beams soft tokens, a teacher-forced row its gold token embedded ahead (so that
+    the lookup's output, and its backward, go unused).
     """
 
     def __init__(self, embedding: nn.Module):
