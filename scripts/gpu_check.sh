@@ -4,7 +4,7 @@
 # 1. the tests that exercise CUDA (Triton kernels against the PyTorch path, property tests through Triton,
 #    mixed precision on CUDA), 2. the GPU sections of the benchmarks (operator: Triton vs our PyTorch path
 #    and the paper's code; the unsorted operator from k = 5 to n - 1; Triton launch parameters; soft
-#    beam-search update cost against teacher forcing, its profile and what its synchronisations cost; top-k
+#    beam-search update cost against teacher forcing, its profile, its phases and kernel launches; top-k
 #    attention step cost), 3. a short fairseq-train with soft_beam_search and with transformer_topk_attn in fp16
 #    (amp briefly; fairseq 0.12's --bf16 means a TPU), then fairseq-generate.
 # Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
