@@ -43,13 +43,15 @@ def is_view(func) -> bool:
 
 class HostOps(TorchDispatchMode):
     """Counts tensor operations by kind (``ops``) and by the innermost function of ours that issued them
-    (``sources``: "file.py:function", "autograd engine" for the backward of PyTorch's own operations);
-    those issued inside a kernel launcher are skipped (the interpreter's)."""
+    (``sources``: "file.py:function", "autograd engine" for the backward of PyTorch's own operations), and
+    the autograd engine's by kind (``engine_ops``, views left out); those issued inside a kernel launcher are
+    skipped (the interpreter's)."""
 
     def __init__(self):
         super().__init__()
         self.ops = Counter()
         self.sources = Counter()
+        self.engine_ops = Counter()
         self._tolist = None
 
     def __enter__(self):
@@ -73,6 +75,8 @@ class HostOps(TorchDispatchMode):
             if not is_view(func):
                 where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].name}" if frames else "autograd engine"
                 self.sources[where] += 1
+                if not frames:
+                    self.engine_ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -134,6 +138,9 @@ def count_soft_beam(backend, top, rho, teacher_forcing_pass, src_len=6, tgt_len=
           f"({ops / tf_ops:.2f}x the operations)\n\n| issued in | operations |\n|---|---|")
     for where, n in mode.sources.most_common(top):
         print(f"| {where} | {n} |")
+    print("\n| autograd engine: operator | operations |\n|---|---|")
+    for op, n in mode.engine_ops.most_common(top):
+        print(f"| {op} | {n} |")
 
 
 def count_topk_attention(backend):
