@@ -55,15 +55,13 @@ class Backend:
               max_iter: int, method: str, check_errors: bool = True) -> Tuple[Tensor, Tensor]:
         """The op's forward on (rows, n) scores ``x`` (``-inf`` where excluded), the caller's ``mask`` (rows, n)
         (or None) and the per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf; without
-        ``check_errors`` the rows it would refuse are solved as zeros and come out NaN: :func:`refused_rows`),
+        ``check_errors`` the rows it would refuse are solved as zeros and come out NaN: :func:`solve_without_refused`),
         normalises them by the centre x_(k) and ``eps``, and solves from the hard-assignment start
         (:meth:`forward`)."""
         if check_errors:
             return self._solve_checked(x, mask, eps, k, sorted, tol, max_iter, method)
-        refused = refused_rows(x, valid_entries(x, mask), eps)
-        x, eps = without_rows(x, eps, refused)
-        out, info = self._solve_checked(x, mask, eps, k, sorted, tol, max_iter, method)
-        return nan_rows(out, refused), info
+        return solve_without_refused(x, mask, eps, lambda x, eps: self._solve_checked(x, mask, eps, k, sorted, tol,
+                                                                                      max_iter, method))
 
     def _solve_checked(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float,
                        max_iter: int, method: str) -> Tuple[Tensor, Tensor]:
@@ -263,9 +261,7 @@ class CpuBackend(FusedBackend):
             return result
         # One status for the whole call, and a bad row can leave its neighbours unsolved (the unsorted kernel
         # solves rows in groups): find the bad rows (CPU tensors: nothing to synchronise) and solve again without.
-        refused = refused_rows(x, valid_entries(x, mask), eps)
-        out, *rest = again(*without_rows(x, eps, refused))
-        return nan_rows(out, refused), *rest
+        return solve_without_refused(x, mask, eps, again)
 
 
 class TritonBackend(FusedBackend):
@@ -326,16 +322,17 @@ def refused_rows(x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
     return (torch.isnan(x).any(-1) | (highest == torch.inf) | (~(eps < torch.inf) & (highest - lowest == torch.inf)))
 
 
-def without_rows(x: Tensor, eps: Tensor, refused: Tensor) -> Tuple[Tensor, Tensor]:
-    """(rows, n) scores and their (rows,) temperatures with the ``refused`` rows replaced by zeros and 1 -- a row
-    every backend solves -- so that the others are solved as they would be alone."""
-    return torch.where(refused.unsqueeze(-1), 0.0, x), torch.where(refused, 1.0, eps)
+def solve_without_refused(x: Tensor, mask: Optional[Tensor], eps: Tensor, solve) -> Tuple[Tensor, ...]:
+    """``solve(x, eps)`` -- a forward returning (out, ...) -- with the rows the op refuses (:func:`refused_rows`)
+    replaced by zeros at temperature 1, a row every backend solves, so that the others are solved as they would
+    be alone; then NaN on those rows of ``out``."""
+    refused = refused_rows(x, valid_entries(x, mask), eps)
+    out, *rest = solve(torch.where(refused.unsqueeze(-1), 0.0, x), torch.where(refused, 1.0, eps))
+    return nan_rows(out, refused), *rest
 
 
-def nan_rows(out: Tensor, refused: Optional[Tensor]) -> Tensor:
-    """``out`` (rows, ...) with NaN on the ``refused`` rows (None: none)."""
-    if refused is None:
-        return out
+def nan_rows(out: Tensor, refused: Tensor) -> Tensor:
+    """``out`` (rows, ...) with NaN on the ``refused`` rows."""
     return torch.where(refused.view(-1, *(1,) * (out.dim() - 1)), torch.nan, out)
 
 
