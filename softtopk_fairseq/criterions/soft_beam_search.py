@@ -51,6 +51,7 @@ from fairseq.models.lstm import LSTMModel
 from fairseq.models.transformer import TransformerModelBase
 from fairseq.modules import LayerDropModuleList
 
+from softtopk_fairseq.modules.cuda_graphs import GraphCache
 from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS,
                                                        search_option_problems, soft_beam_search)
 from softtopk_fairseq.ops.soft_topk import SCALINGS
@@ -59,6 +60,10 @@ from softtopk_fairseq.ops.soft_topk import SCALINGS
 TEACHER_FORCING_PASSES = ("auto", "search", "separate")
 CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap above its tolerance on some rows "
                   "(counted in the logs as soft_topk_capped); raise --soft-topk-max-iter or --soft-topk-tol")
+
+
+GRAPHS_UNUSED_WARNING = ("soft_beam_search: --soft-beam-cuda-graphs captured nothing, the search runs eagerly: it "
+                         "needs CUDA batches, no --amp, and a decoder whose embed_tokens is an nn.Embedding")
 
 
 @dataclass
@@ -112,6 +117,16 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                      "of k (the total rank mass), on the rank mass the pruned candidates would "
                                      "get, per sentence and step -- a value near k (e.g. 5 at beam 5) means no "
                                      "guarantee, not that all mass was pruned"})
+    soft_beam_cuda_graphs: bool = field(
+        default=False, metadata={"help": "run each decoding step's work between two decoder calls (candidates, "
+                                         "relaxed top-k, bookkeeping, state mixing, soft inputs) as CUDA graphs: "
+                                         "a few kernel launches per step instead of ~64, for a GPU, where a soft "
+                                         "beam-search update is bound by launching them (the LSTM benchmark on an "
+                                         "H200: 2.7x teacher forcing's update time instead of 3.4x; "
+                                         "docs/results.md). Needs --soft-topk-method ot; used on CUDA batches "
+                                         "outside --amp. Each new batch size is captured once (a synchronisation "
+                                         "and two extra runs) and keeps its buffers, a few times sentences x beam "
+                                         "x vocabulary floats, on the GPU"})
 
 
 def _ddp_wrapper(model):
@@ -200,6 +215,9 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
         problems.append(f"--perturbed-samples must be >= 1, got {cfg.perturbed_samples}")
     if cfg.ignore_prefix_size > 0:
         problems.append(f"--ignore-prefix-size is not supported (must be 0), got {cfg.ignore_prefix_size}")
+    if cfg.soft_beam_cuda_graphs and str(cfg.soft_topk_method) != "ot":
+        problems.append(f"--soft-beam-cuda-graphs needs --soft-topk-method ot (the others read their checks back or "
+                        f"draw noise, which a CUDA graph cannot replay), got {cfg.soft_topk_method}")
     return problems
 
 
@@ -239,6 +257,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             scaling=str(cfg.soft_topk_scaling), tol=cfg.soft_topk_tol, max_iter=cfg.soft_topk_max_iter,
             candidates=cfg.soft_beam_candidates, bookkeeping=str(cfg.soft_beam_bookkeeping),
             samples=cfg.perturbed_samples)
+        # One cache for the run: each batch size's graphs are captured once (None: no graphs).
+        self.graphs = GraphCache() if cfg.soft_beam_cuda_graphs else None
+        self.graphs_unused_warned = False
         self.eos = task.target_dictionary.eos()
 
     def forward(self, model, sample, reduce=True):
@@ -247,6 +268,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         use_tf, use_soft = self._losses_this_batch()
         with layer_drop_drawn_once(model) if use_soft else contextlib.nullcontext():
             net_output, out = self._run_model(model, sample, use_tf, use_soft)
+        if use_soft and self.graphs is not None and not self.graphs.captures and not self.graphs_unused_warned:
+            self.graphs_unused_warned = True
+            warnings.warn(GRAPHS_UNUSED_WARNING, RuntimeWarning)
         return self._loss_and_logs(model, sample, net_output, out)
 
     def _losses_this_batch(self) -> Tuple[bool, bool]:
@@ -269,7 +293,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         def search(m, encoder_out=None, teacher_forcing=None):
             return soft_beam_search(m, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
                                     pad=self.padding_idx, eos=self.eos, encoder_out=encoder_out,
-                                    teacher_forcing=teacher_forcing, **self.search_options)
+                                    teacher_forcing=teacher_forcing, graphs=self.graphs, **self.search_options)
 
         if use_tf and use_soft and _encoder_then_decoder(model):
             # Both losses from one encoder pass (and one dropout mask on it), inside DDP's forward; L_tf from the

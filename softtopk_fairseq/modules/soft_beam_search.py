@@ -24,12 +24,14 @@ Choices this implementation makes (documented, tested):
   relaxed top-k. :attr:`SoftBeamOutput.pruned_mass` bounds, per sentence and step, the rank mass the pruned
   candidates would receive (each relaxation's :meth:`Relaxation.pruned_mass`).
 """
+import functools
 import math
-from typing import List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from softtopk_fairseq.modules.cuda_graphs import GraphCache
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
 from softtopk_fairseq.ops import (BadScoresError, bad_score_rows, divide_by_temperature, effective_epsilon,
                                   perturbed_topk, soft_topk, softmax_k_times)
@@ -89,6 +91,16 @@ class Relaxation:
         self.tol, self.max_iter = tol, max_iter  # the OT solver's
         self.samples = samples                   # the perturbed top-k's
 
+    def config(self) -> tuple:
+        """What the relaxation computes with (its class and options): a step's CUDA graphs are keyed by it."""
+        return (type(self).__name__, self.k, self.epsilon, self.scaling, self.tol, self.max_iter, self.samples)
+
+    def capturable(self) -> bool:
+        """Whether :meth:`relax` can run inside a CUDA graph (:mod:`~softtopk_fairseq.modules.cuda_graphs`): it
+        reads nothing back to the host, and gives the same result for the same scores (the graphs' backward runs
+        it again). Not by default: the others read their checks back, the perturbed top-k draws noise."""
+        return False
+
     def temperature(self, scores: Tensor) -> Tensor:
         """(rows,) the smoothing scale of each row (:func:`~softtopk_fairseq.ops.effective_epsilon`)."""
         return effective_epsilon(scores, self.k, epsilon=self.epsilon, sorted=True, scaling=self.scaling)
@@ -144,6 +156,9 @@ class OptimalTransport(Relaxation):
     batch."""
 
     check_errors = False  # (a class attribute: benchmarks/soft_beam_phases.py measures the checks by setting it)
+
+    def capturable(self):
+        return not self.check_errors
 
     def _relax(self, kept):
         A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
@@ -356,21 +371,27 @@ def _backtrack(final_lp, gold_lp, parents, tokens, lengths: Tensor, pad: int,
 
 
 class _Step(NamedTuple):
-    """What one relaxed top-k step decided (:func:`_relaxed_step`)."""
+    """What one step decided (:func:`_search_step`): every field a tensor, a tuple of tensors or None -- what a
+    CUDA graph can return (:class:`~softtopk_fairseq.modules.cuda_graphs.GraphCache`)."""
 
-    relaxed: Relaxed
-    candidates: _Candidates
     parent: Tensor            # (bsz, k) the beam each rank continues (hard bookkeeping)
     token: Tensor             # (bsz, k) the token it appends
     cum: Tensor               # (bsz, k) its cumulative score
+    mixing: Tensor            # (bsz, k, k) the state mixing W (eq. (10))
+    soft: Tensor              # (bsz, k, dim) the soft inputs (eq. (9))
+    iterations: Optional[Tensor]  # (bsz,) the solver's report (:class:`Relaxed`); None without a solver
+    error: Optional[Tensor]
+    converged: Optional[Tensor]
     pruned_terms: Optional[Tuple[Tensor, ...]]  # what bounds the rank mass lost to pruning; None without pruning
 
 
-def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int,
-                  bookkeeping: str) -> _Step:
-    """The candidates of one step (pruned to ``candidates`` if asked), their relaxed top-k ``A``, the terms of
-    the bound on what pruning lost (:meth:`Relaxation.pruned_terms`), and the hard bookkeeping that follows
-    ``A``."""
+def _search_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int,
+                 bookkeeping: str, embed) -> _Step:
+    """One step's tensor work between two decoder calls: the candidates (pruned to ``candidates`` if asked),
+    their relaxed top-k ``A``, the terms of the bound on what pruning lost (:meth:`Relaxation.pruned_terms`),
+    the hard bookkeeping that follows ``A``, and the state mixing and soft inputs it implies (``embed``: the
+    token embedding lookup, token ids -> vectors)."""
+    V = lprobs.shape[-1]
     c = _candidates(cum, lprobs, ban, candidates)
     relaxed = relax.relax(c.kept)
     pruned = None
@@ -378,16 +399,44 @@ def _relaxed_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, c
         with torch.no_grad():
             rest = c.all_scores.scatter_(1, c.index, -torch.inf)  # the pruned ones (not reused)
             pruned = relax.pruned_terms(relaxed, c.kept_scores, rest)
-    parent, token, cum = _follow(relaxed.A, c, bookkeeping, lprobs.shape[-1])
-    return _Step(relaxed, c, parent, token, cum, pruned)
+    parent, token, cum = _follow(relaxed.A, c, bookkeeping, V)
+    mixing, soft = _soft_order_and_input(relaxed.A, c, embed, V)
+    return _Step(parent, token, cum, mixing, soft, relaxed.iterations, relaxed.error, relaxed.converged, pruned)
 
 
-def _search_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int, bookkeeping: str,
-                 embed) -> Tuple[_Step, Tensor, Tensor]:
-    """One step's tensor work between two decoder calls: :func:`_relaxed_step`, then the state mixing and the soft
-    inputs it implies (:func:`_soft_order_and_input`): (step, mixing, soft inputs)."""
-    step = _relaxed_step(relax, cum, lprobs, ban, candidates, bookkeeping)
-    return (step, *_soft_order_and_input(step.relaxed.A, step.candidates, embed, lprobs.shape[-1]))
+def capturable_lookup(embed) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
+    """``embed``'s lookup as ``lookup(index, weight)`` through ``weight.index_select`` (``weight``: embed's, or an
+    alias of it), for a step captured in a CUDA graph: the same values, and a backward (an ``index_add``) that a
+    graph can hold -- ``nn.Embedding``'s CUDA backward sorts the indices once there are more than 3,072 (4,096
+    on sm_90) of them and reads a count back to the host (pytorch#82886): at 128 sentences and M = 50 the step
+    looks up 6,400. Its adds are atomic, so the last bits of the embedding's gradient may vary from run to run;
+    the padding index gets none, as with ``embed``. None when ``embed`` is not a plain ``nn.Embedding`` (no
+    ``max_norm``, frequency scaling or sparse gradient) or when deterministic algorithms are asked for."""
+    if (type(embed) is not torch.nn.Embedding or embed.max_norm is not None or embed.scale_grad_by_freq
+            or embed.sparse or torch.are_deterministic_algorithms_enabled()):
+        return None
+    padding_idx = embed.padding_idx
+
+    def lookup(index: Tensor, weight: Tensor) -> Tensor:
+        rows = weight.index_select(0, index.reshape(-1)).view(*index.shape, weight.shape[1])
+        if padding_idx is None:
+            return rows
+        return torch.where((index == padding_idx).unsqueeze(-1), rows.detach(), rows)  # no gradient, as embed's
+
+    return lookup
+
+
+def _graphed_search_step(graphs: GraphCache, lookup: Callable[[Tensor, Tensor], Tensor], relax: Relaxation,
+                         cum: Tensor, lprobs: Tensor, ban: Tensor, candidates: int, bookkeeping: str, embed) -> _Step:
+    """:func:`_search_step` through ``graphs``, looking up the embeddings with ``lookup``
+    (:func:`capturable_lookup`): one pair of CUDA graphs per batch size (and configuration) does the step's work
+    in a few launches each way (``soft_beam_search``'s ``graphs``)."""
+
+    def step(cum, lprobs, ban, weight):
+        return _search_step(relax, cum, lprobs, ban, candidates, bookkeeping, functools.partial(lookup, weight=weight))
+
+    key = ("soft_beam_search step", relax.config(), candidates, bookkeeping, id(embed))
+    return graphs(key, step, cum, lprobs, ban, embed.weight)
 
 
 class _Trace:
@@ -406,10 +455,10 @@ class _Trace:
         self.final_lp.append((cum + lprobs[:, :, eos]).detach())
 
     def step(self, step: _Step) -> None:
-        if step.relaxed.iterations is not None:  # a solver's relaxation (the others report nothing: empty lists)
-            self.iterations.append(step.relaxed.iterations)
-            self.errors.append(step.relaxed.error)
-            self.converged.append(step.relaxed.converged)
+        if step.iterations is not None:  # a solver's relaxation (the others report nothing: empty lists)
+            self.iterations.append(step.iterations)
+            self.errors.append(step.error)
+            self.converged.append(step.converged)
         if step.pruned_terms is not None:
             self.pruned.append(step.pruned_terms)
         self.parents.append(step.parent)
@@ -514,7 +563,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
                      candidates: int = 0, bookkeeping: str = "argmax",
                      samples: int = PERTURBED_SAMPLES, encoder_out=None,
-                     teacher_forcing: Optional[Tensor] = None) -> SoftBeamOutput:
+                     teacher_forcing: Optional[Tensor] = None, graphs: Optional[GraphCache] = None) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
@@ -540,6 +589,13 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             for both losses instead of a second decoder pass. fairseq's incremental decoding computes what its
             full pass does, so these are the full pass's log-probabilities (tested; up to rounding and, in
             training, dropout masks).
+        graphs: a :class:`~softtopk_fairseq.modules.cuda_graphs.GraphCache` (kept by the caller across batches)
+            to run each step's work between two decoder calls -- candidates, relaxed top-k, bookkeeping, state
+            mixing, soft inputs -- as CUDA graphs, captured once per batch size: a few launches each way instead
+            of ~64 (the LSTM benchmark), for a GPU, where an update is bound by launching them. Used on CUDA
+            batches with the ``"ot"`` relaxation, outside autocast (whose cast cache a graph cannot hold), for an
+            ``nn.Embedding`` input embedding (:func:`capturable_lookup`); elsewhere the step runs eagerly (the
+            other relaxations read their checks back or draw noise). Same results up to rounding (tested).
     """
     problems = search_option_problems(beam, candidates)
     if bookkeeping not in BOOKKEEPING:
@@ -573,6 +629,11 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     base = (torch.arange(bsz, device=device) * rows.per_sentence).unsqueeze(1)
     trace = _Trace(bsz, device)
     cum: Optional[Tensor] = None
+    search_step = _search_step
+    lookup = capturable_lookup(embed)
+    if (graphs is not None and relax.capturable() and lookup is not None
+            and (device.type == "cuda" or graphs.emulate) and not torch.is_autocast_enabled(device.type)):
+        search_step = functools.partial(_graphed_search_step, graphs, lookup)
 
     with SoftTokenInput(embed) as soft_input:
         for t in range(T):
@@ -589,12 +650,12 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             if t == T - 1:
                 break
             # The next step's input: the decoder state mixed (eq. (10)) and the soft tokens (eq. (9)).
-            step, mixing, soft = _search_step(relax, cum, lprobs, ban, candidates, bookkeeping, embed)
+            step = search_step(relax, cum, lprobs, ban, candidates, bookkeeping, embed)
             trace.step(step)
             cum = step.cum
             order = (base + rows.parent(step.parent)).view(-1)
-            decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, rows.mix(mixing)))
+            decoder.reorder_incremental_state_scripting(incremental_state, SoftOrder(order, rows.mix(step.mixing)))
             prefix = torch.cat([prefix[order], rows.inputs(step.token.unsqueeze(-1), t + 1).view(-1, 1)], 1)
-            soft_input.pending = rows.embedded_inputs(soft, t + 1)
+            soft_input.pending = rows.embedded_inputs(step.soft, t + 1)
 
     return trace.output(relax, lengths, pad, eos, rows.lprobs())
