@@ -55,15 +55,21 @@ def build_model_and_sample(cfg, extra_args=None):
     ARCH_CONFIG_REGISTRY[args.arch](args)
     device = torch.device(cfg["device"])
     model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, Task()).to(device).train()
-    bsz, S, T = cfg["bsz"], cfg["src_len"], cfg["tgt_len"]
+    return model, Task(), random_sample(d, cfg["bsz"], cfg["src_len"], cfg["tgt_len"], device), device
+
+
+def random_sample(d, bsz, S, T, device):
+    """A fairseq batch of ``bsz`` random sentences of ``S`` source and ``T`` target tokens (eos last) over the
+    dictionary ``d``."""
+    import torch
+
     src = torch.randint(d.nspecial, len(d), (bsz, S), device=device)
     target = torch.randint(d.nspecial, len(d), (bsz, T), device=device)
     target[:, -1] = d.eos()
     prev = torch.cat([torch.full((bsz, 1), d.eos(), device=device), target[:, :-1]], 1)
-    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), S, device=device),
-                            "prev_output_tokens": prev},
-              "target": target, "ntokens": bsz * T, "nsentences": bsz}
-    return model, Task(), sample, device
+    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), S, device=device),
+                          "prev_output_tokens": prev},
+            "target": target, "ntokens": bsz * T, "nsentences": bsz}
 
 
 def one_update(model, criterion, sample, optimizer, device):

@@ -11,7 +11,9 @@ the demo transformer trained with teacher forcing for ``--updates`` updates, the
 ``--finetune-updates`` with ``soft_beam_search`` (rho 0.8, beam 5, eps 0.1 paper scaling, M 50), and
 ``transformer_topk_attn`` (SOFT top-k encoder-decoder attention, k 4) trained from scratch for ``--updates``;
 each decoded with ``fairseq-generate --beam 5`` (sacrebleu, word level). With each further precision the
-two plugin runs repeat for ``--short-updates`` updates. Every logged loss and gradient norm must be finite
+two plugin runs repeat for ``--short-updates`` updates. The fine-tuning runs once more with
+``--soft-beam-cuda-graphs`` (its updates/s against the eager run's: fairseq's own batches, every size captured as
+it comes). Every logged loss and gradient norm must be finite
 (fp16's skipped overflow steps are counted, not failures). Prints one markdown table and writes it with the
 raw figures to ``WORKDIR/summary.json``; exits non-zero when a run fails or logs a non-finite value. A
 fairseq-train killed by a signal *after* it logged "done training" (some GPU images abort every fairseq-train
@@ -121,7 +123,7 @@ def main():
     rows = []
 
     def train(name, precision, updates, extra, restore=None):
-        save = os.path.join(a.workdir, f"{name}_{precision}")
+        save = os.path.join(a.workdir, f"{name.replace(', ', '_').replace(' ', '_')}_{precision}")
         args = [*base, *PRECISION_FLAGS[precision], *extra, "--max-update", str(updates), "--save-dir", save]
         if restore:
             args += ["--restore-file", restore, "--reset-optimizer", "--reset-lr-scheduler", "--reset-meters",
@@ -150,6 +152,9 @@ def main():
     bleu(rows[-1], tf_ckpt, first)
     soft_ckpt = train("soft_beam_search", first, a.updates + a.finetune_updates, SOFT_BEAM, restore=tf_ckpt)
     bleu(rows[-1], soft_ckpt, first)
+    graphs_ckpt = train("soft_beam_search, CUDA graphs", first, a.updates + a.finetune_updates,
+                        [*SOFT_BEAM, "--soft-beam-cuda-graphs"], restore=tf_ckpt)
+    bleu(rows[-1], graphs_ckpt, first)
     topk_ckpt = train("topk_attn", first, a.updates, [*TOPK_ATTN, *TF])
     bleu(rows[-1], topk_ckpt, first)
     for precision in rest:

@@ -91,9 +91,20 @@ def test_phases_benchmark_makes_soft_topks_checks_in_the_search_and_restores_the
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["update", "teacher forcing", "sum", "sum, checks made"], out.stdout
+    assert rows == ["update", "teacher forcing", "sum", "sum, checks made", "sum, CUDA graphs"], out.stdout
     assert all(float(cell) > 0 for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line
                and "update" not in line for cell in line.split("|")[2:7]), out.stdout  # the phases and the total
+
+
+def test_graph_batches_benchmark_prints_one_row_per_epoch():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "soft_beam_graph_batches.py"), "--batches", "2",
+                          "--epochs", "2", "--bsz-choices", "2", "3", "--src-lens", "3", "4", "--tgt-lens", "3", "4",
+                          "--vocab", "40", "--threads", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows] == ["epoch", "1", "2"], out.stdout
+    assert all(float(cell) > 0 for r in rows[1:] for cell in r[1:6]), out.stdout
+    assert all(r[6].strip() == "0" for r in rows[1:]), out.stdout  # on CPU nothing is captured
 
 
 def test_operator_benchmark_prints_its_table():
@@ -254,7 +265,8 @@ def test_gpu_train_check_runs_on_cpu_in_full_precision(tmp_path):
                           "2", "--train-pairs", "100"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["teacher_forcing", "soft_beam_search", "topk_attn"]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["teacher_forcing", "soft_beam_search",
+                                                           "soft_beam_search, CUDA graphs", "topk_attn"]
     assert all("(200 hyps)" in r for r in rows[1:])  # every test sentence decoded
 
 
