@@ -72,6 +72,22 @@ def random_sample(d, bsz, S, T, device):
             "target": target, "ntokens": bsz * T, "nsentences": bsz}
 
 
+def update_criterion(name, task):
+    """The criterion of an update kind the GPU benchmarks compare: ``"teacher forcing"`` is
+    label_smoothed_cross_entropy (0.1); any other name the ``sum`` update -- soft_beam_search, rho 0.8, M 50,
+    paper scaling, teacher forcing in the search --, with ``--soft-beam-cuda-graphs`` when the name ends in
+    "graphs"."""
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
+
+    if name == "teacher forcing":
+        return LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    return SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
+        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8, soft_beam_candidates=50,
+        soft_topk_scaling="paper", teacher_forcing_pass="search", soft_beam_cuda_graphs=name.endswith("graphs")))
+
+
 def one_update(model, criterion, sample, optimizer, device):
     """Forward + backward + optimizer step, finished on the device; returns the logging output."""
     import torch

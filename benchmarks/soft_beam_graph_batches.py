@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import build_model_and_sample, one_update, random_sample  # noqa: E402
+from bench_soft_beam import build_model_and_sample, one_update, random_sample, update_criterion  # noqa: E402
 
 KINDS = ("teacher forcing", "sum", "sum, CUDA graphs")
 
@@ -36,20 +36,13 @@ def main():
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     import torch
-    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
-
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     cfg = dict(arch="lstm", bsz=a.bsz_choices[0], src_len=a.src_lens[0], tgt_len=a.tgt_lens[0], vocab=a.vocab,
                threads=a.threads, device=a.device)
     updates = {}
     for kind in KINDS:
         model, task, _, device = build_model_and_sample(cfg)
-        criterion = (LabelSmoothedCrossEntropyCriterion(task, False, 0.1) if kind == "teacher forcing" else
-                     SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
-                         sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8,
-                         soft_beam_candidates=50, soft_topk_scaling="paper", teacher_forcing_pass="search",
-                         soft_beam_cuda_graphs=kind.endswith("graphs"))))
+        criterion = update_criterion(kind, task)
         updates[kind] = (model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4))
     d = task.target_dictionary
     rng = random.Random(0)

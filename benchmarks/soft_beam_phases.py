@@ -8,8 +8,9 @@ rounds after ``--warmup`` untimed ones): teacher forcing (``label_smoothed_cross
 ``check_errors=False``, nothing read back per step -- and the same update with soft_topk's two per-call checks
 made, as the search made them until the twenty-fifth session (:func:`checks_made`: the Triton backend's read of
 the rows' status bits, the max_iter warning's read of the iteration counts), and the ``sum`` update with
-``--soft-beam-cuda-graphs`` (each step's work between two decoder calls as CUDA graphs; eager off CUDA). On a GPU the launches are counted
-with torch.profiler over one more update of each (the runtime's kernel-launch calls, PyTorch's and Triton's).
+``--soft-beam-cuda-graphs`` (each step's work between two decoder calls as CUDA graphs; eager off CUDA). On a GPU
+the launches are counted with torch.profiler over one more update of each (the runtime's kernel-launch calls,
+PyTorch's and Triton's, and its graph launches).
 
     python benchmarks/soft_beam_phases.py --device cuda --threads 8 [--repeats 20] [--bsz 128]
 
@@ -23,7 +24,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, warmup_updates  # noqa: E402
+from bench_soft_beam import (add_batch_arguments, batch_config, build_model_and_sample, update_criterion,  # noqa: E402
+                             warmup_updates)
 
 PHASES = ("forward", "backward", "step")
 # The CUDA runtime / driver calls that launch a kernel (cuLaunchKernel*: Triton's launcher), or a CUDA graph (one
@@ -81,19 +83,12 @@ def main():
     add_batch_arguments(p, repeats=20)
     a = p.parse_args()
     import torch
-    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
-
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 
     cfg = dict(batch_config(a), arch=a.arch)
     updates = {}
     for name in ("teacher forcing", "sum", "sum, checks made", "sum, CUDA graphs"):
         model, task, sample, device = build_model_and_sample(cfg)
-        criterion = (LabelSmoothedCrossEntropyCriterion(task, False, 0.1) if name == "teacher forcing" else
-                     SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
-                         sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.8,
-                         soft_beam_candidates=50, soft_topk_scaling="paper", teacher_forcing_pass="search",
-                         soft_beam_cuda_graphs=name.endswith("graphs"))))
+        criterion = update_criterion(name, task)
         context = checks_made if name.endswith("made") else contextlib.nullcontext
         updates[name] = (model, criterion, sample, torch.optim.Adam(model.parameters(), lr=1e-4), context, [])
     warmup = warmup_updates(cfg)
