@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 
 import pytest
 import torch
+from fairseq import metrics
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import softtopk_fairseq.modules.soft_beam_search as search_module
@@ -179,13 +180,19 @@ def test_criterion_flag_passes_its_cache_and_refuses_other_relaxations():
         sentence_avg=False, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_cuda_graphs=True))
     assert plain.graphs is None and isinstance(graphed.graphs, GraphCache)
     graphed.graphs = GraphCache(emulate=True)  # CPU: the plumbing eagerly
-    results = []
-    for criterion in (plain, graphed):
+    results, logs = [], []
+    for criterion in (plain, graphed, graphed):
         model.zero_grad()
-        loss = criterion(model, sample)[0]
+        loss, _, log = criterion(model, sample)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        logs.append(log)
     assert graphed.graphs.captures == 1
+    # Logged: the batch sizes captured (1, then 0: replayed); fairseq sums them over its log interval.
+    assert "cuda_graph_captures" not in logs[0] and [log["cuda_graph_captures"] for log in logs[1:]] == [1, 0]
+    with metrics.aggregate() as agg:
+        SoftBeamSearchCriterion.reduce_metrics(logs)
+    assert agg.get_smoothed_values()["cuda_graph_captures"] == 1
     assert torch.allclose(results[0][0], results[1][0])
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(results[0][1], results[1][1]))
     if not torch.cuda.is_available():  # the flag on CPU batches: warned once, run eagerly

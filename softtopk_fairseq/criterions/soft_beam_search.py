@@ -234,7 +234,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
     base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
     iterations and a bound on its largest marginal error), ``soft_topk_capped`` (rows per step it left at its
-    iteration cap unconverged; warned about once) and ``pruned_mass``."""
+    iteration cap unconverged; warned about once), ``pruned_mass`` and, with ``--soft-beam-cuda-graphs``,
+    ``cuda_graph_captures`` (batch sizes captured)."""
 
     def __init__(self, task, cfg: SoftBeamSearchConfig):
         """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a
@@ -266,12 +267,16 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         if not reduce:
             raise ValueError("soft_beam_search only computes reduced losses")
         use_tf, use_soft = self._losses_this_batch()
+        captured_before = self.graphs.captures if self.graphs is not None else 0
         with layer_drop_drawn_once(model) if use_soft else contextlib.nullcontext():
             net_output, out = self._run_model(model, sample, use_tf, use_soft)
-        if use_soft and self.graphs is not None and not self.graphs.captures and not self.graphs_unused_warned:
-            self.graphs_unused_warned = True
-            warnings.warn(GRAPHS_UNUSED_WARNING, RuntimeWarning)
-        return self._loss_and_logs(model, sample, net_output, out)
+        loss, sample_size, logging_output = self._loss_and_logs(model, sample, net_output, out)
+        if self.graphs is not None:
+            logging_output["cuda_graph_captures"] = self.graphs.captures - captured_before
+            if use_soft and not self.graphs.captures and not self.graphs_unused_warned:
+                self.graphs_unused_warned = True
+                warnings.warn(GRAPHS_UNUSED_WARNING, RuntimeWarning)
+        return loss, sample_size, logging_output
 
     def _losses_this_batch(self) -> Tuple[bool, bool]:
         """Whether this batch computes L_tf and L_SOFT: both in ``sum`` mode (unless rho is 0 or 1), one drawn in
@@ -390,6 +395,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             cells = sum(log.get("soft_sentence_steps", 0) for log in logging_outputs)
             metrics.log_scalar("pruned_mass", sum(log.get("pruned_mass", 0) for log in logging_outputs)
                                / max(cells, 1), cells, round=6)
+        if any("cuda_graph_captures" in log for log in logging_outputs):
+            # Batch sizes --soft-beam-cuda-graphs captured in the interval (a size seen before is replayed).
+            metrics.log_scalar_sum("cuda_graph_captures", sum(log.get("cuda_graph_captures", 0)
+                                                              for log in logging_outputs))
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
