@@ -16,10 +16,10 @@ import argparse
 import os
 import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import build_model_and_sample, one_update, random_sample, update_criterion  # noqa: E402
+from bench_soft_beam import (build_model_and_sample, one_update, random_sample, timed_update,  # noqa: E402
+                             update_criterion)
 
 KINDS = ("teacher forcing", "sum", "sum, CUDA graphs")
 
@@ -65,11 +65,7 @@ def main():
         before = graphed.captures
         for sample in batches:
             for kind, (model, criterion, optimizer) in updates.items():
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                one_update(model, criterion, sample, optimizer, device)
-                seconds[kind] += time.perf_counter() - start
+                seconds[kind] += timed_update(model, criterion, sample, optimizer, device)[0]
         tf = seconds[KINDS[0]]
         print(f"| {epoch + 1} | " + " | ".join(f"{seconds[k]:.2f}" for k in KINDS) +
               f" | {seconds[KINDS[1]] / tf:.2f} | {seconds[KINDS[2]] / tf:.2f} | {graphed.captures - before} |")

@@ -5,15 +5,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class HostReads(TorchDispatchMode):
-    """``count``: the reads; ``operations``: every operation that is not a view (each a kernel on a GPU)."""
+    """``count``: the reads; ``from_host``: the tensors made from host data (``torch.tensor``: a copy to the device,
+    which a CUDA graph cannot hold either); ``operations``: every operation that is not a view (each a kernel on a
+    GPU)."""
 
     READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 
     def __init__(self):
         super().__init__()
-        self.count = self.operations = 0
+        self.count = self.from_host = self.operations = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func in self.READS
+        self.from_host += func is torch.ops.aten.lift_fresh.default
         self.operations += not getattr(func, "is_view", False)
         return func(*args, **(kwargs or {}))

@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 import pytest
 import torch
 from fairseq import metrics
-from torch.utils._python_dispatch import TorchDispatchMode
+from fairseq.utils import move_to_cuda
 
 import softtopk_fairseq.modules.soft_beam_search as search_module
 from softtopk_fairseq.criterions.soft_beam_search import (GRAPHS_UNUSED_WARNING, SoftBeamSearchConfig,
@@ -16,6 +16,7 @@ from softtopk_fairseq.criterions.soft_beam_search import (GRAPHS_UNUSED_WARNING,
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
 from softtopk_fairseq.modules.soft_beam_search import make_relaxation, soft_beam_search
 from softtopk_fairseq.ops import soft_topk
+from host_reads import HostReads
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -129,20 +130,6 @@ def test_step_graphs_are_not_used_for_relaxations_that_read_back_or_draw_noise(r
     assert make_relaxation("ot", 3, 0.1, "paper").capturable()
 
 
-class _Uncapturable(TorchDispatchMode):
-    """Counts what a CUDA graph cannot hold: reads back to the host, tensors made from host data."""
-
-    def __init__(self):
-        super().__init__()
-        self.found = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-                    torch.ops.aten.lift_fresh.default):
-            self.found.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("candidates", [0, 7])
 def test_the_step_a_graph_captures_reads_nothing_back_on_the_triton_backend(candidates, monkeypatch):
     """What runs inside the graphs on CUDA -- the Triton kernels under the interpreter here -- reads nothing back
@@ -157,18 +144,18 @@ def test_the_step_a_graph_captures_reads_nothing_back_on_the_triton_backend(cand
     original = search_module._search_step
 
     def watched(*args):
-        with _Uncapturable() as mode:
+        with HostReads() as mode:
             step = original(*args)
             loss = step.cum.sum() + step.mixing.sum() + step.soft.sum()
             grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad] + [args[2]],
                                         allow_unused=True, retain_graph=True)
-        seen.append(mode.found)
+        seen.append((mode.count, mode.from_host))
         assert any(g is not None for g in grads)
         return step
 
     monkeypatch.setattr(search_module, "_search_step", watched)
     _search(model, sample, d, None, candidates=candidates)
-    assert seen and all(found == [] for found in seen)
+    assert seen and all(found == (0, 0) for found in seen)
 
 
 def test_criterion_flag_passes_its_cache_and_refuses_other_relaxations():
@@ -228,11 +215,6 @@ def test_capturable_lookup_is_the_embedding_lookup():
         torch.use_deterministic_algorithms(False)
 
 
-def _cuda(sample):
-    return {k: (v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict)
-                else v) for k, v in sample.items()}
-
-
 @CUDA
 @pytest.mark.parametrize("arch,bsz,candidates,dropout", [
     ("lstm", 3, 7, 0.0), ("transformer", 3, 7, 0.0),
@@ -242,7 +224,7 @@ def _cuda(sample):
 def test_step_graphs_on_cuda_give_the_eager_search(arch, bsz, candidates, dropout):
     d = dictionary()
     model = build(arch, d, dtype=torch.float32, dropout=dropout).cuda().train()
-    sample = _cuda(batch(d, bsz=bsz, tgt_lens=(4, 3, 5) * (bsz // 3) + (5,) * (bsz % 3)))
+    sample = move_to_cuda(batch(d, bsz=bsz, tgt_lens=(4, 3, 5) * (bsz // 3) + (5,) * (bsz % 3)))
     torch.manual_seed(0)
     expected, expected_grads = _search(model, sample, d, None, candidates=candidates)
     cache = GraphCache()
