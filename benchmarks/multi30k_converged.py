@@ -4,9 +4,9 @@
         --ledger docs/results/multi30k_converged.jsonl [--stages pretrain finetune attention] [--seeds 1 2 3]
     python benchmarks/multi30k_converged.py report --workdir work/converged --ledger docs/results/multi30k_converged.jsonl
 
-Any line-aligned en-fr data works (``prepare.py`` is the WMT14 en-fr recipe's): ``--data DIR`` with
-``DIR/train``, ``DIR/val`` and ``DIR/test_2016_flickr`` (``.en``/``.fr``; ``--valid-name``/``--test-name`` for
-other names). One workdir and one ledger hold one data set: ``data/source.json`` records the inputs' sha256 when
+Any line-aligned English-X data works (``prepare.py`` is the WMT14 en-fr recipe's): ``--data DIR`` with
+``DIR/train``, ``DIR/val`` and ``DIR/test_2016_flickr`` (``.en`` and one ``.TGT``, the target language, read from the
+file names; ``--valid-name``/``--test-name`` for other names); each ledger row records its ``pair`` (``en-TGT``). One workdir and one ledger hold one data set: ``data/source.json`` records the inputs' sha256 when
 they are prepared, each ledger row the prepared data's (``data_fingerprint``), and ``run`` stops, before it trains,
 when ``--data`` or the ledger's rows disagree with the workdir.
 
@@ -47,8 +47,11 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   convergence rule.
 
 Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, its hypotheses kept beside
-the ledger (``LEDGER.hyps/KEY.SUBSET.fr.gz``, written before the ledger row) for the paired bootstrap of
-``report``, so that the report needs no workdir of earlier sessions. Ledger record: key, stage, arch, method,
+the ledger (``LEDGER.hyps/KEY.SUBSET.TGT.gz``, written before the ledger row) for the paired bootstrap of
+``report``, so that the report needs no workdir. Each scored run also translates the blind test sets of
+``--blind DIR`` (English sources whose references are held back) with the same decoding, into
+``LEDGER.blind/KEY.NAME.TGT.gz``, also before its ledger row; they are scored outside the study, and nothing here
+reads them back. ``blind`` translates them for ledger runs whose checkpoints are in the workdir and lack them. Ledger record: key, stage, arch, method,
 seed, updates, epochs, converged, the val BLEU curve, val/test BLEU, wall seconds (``train_s``: the start that
 finished; ``train_s_starts``: each start's, from its log), and the exact extra arguments.
 
@@ -110,6 +113,10 @@ ATTENTION = {"softmax": ["--topk-attn-mode", "softmax", "--topk-attn-inference",
              "perturbed": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard"],
              "perturbed_64": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard",
                               "--topk-attn-samples", "64"]}
+# The fairness check of the earlier-stopping baseline: softmax attention with a longer early-stopping patience.
+ATTENTION["softmax_patience10"] = ATTENTION["softmax"]
+# Arms whose early-stopping patience is not --patience.
+PATIENCE = {"softmax_patience10": 10}
 PAPER = ["--teacher-forcing-ratio", "0.8", "--teacher-forcing-mode", "sum", "--soft-beam-size", "5",
          "--soft-topk-epsilon", "0.1", "--soft-topk-scaling", "paper", "--soft-beam-bookkeeping", "argmax"]
 FINETUNE_RUNS = {
@@ -182,15 +189,38 @@ def prepared_fingerprint(data: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def source_files(data: str, splits: List[str]) -> Dict[str, Optional[str]]:
+SRC = "en"
+
+
+def target_language(data: str) -> str:
+    """The target language of raw data ``data``: the one suffix of ``data/train.*`` besides the source's."""
+    langs = sorted({name.split(".")[1] for name in os.listdir(data) if name.startswith("train.")
+                    and len(name.split(".")) in (2, 3)} - {SRC}) if os.path.isdir(data) else []
+    if len(langs) != 1:
+        raise SystemExit(f"multi30k_converged: --data {data} should hold train.{SRC} and one train.TGT beside it "
+                         f"(found targets: {', '.join(langs) or 'none'})")
+    return langs[0]
+
+
+def source_files(data: str, splits: List[str], tgt: str) -> Dict[str, Optional[str]]:
     """sha256 of each raw input ``data/SPLIT.LANG`` (or its ``.gz``, as ``prepare.py`` reads it); None if missing."""
     found = {}
     for split in splits:
-        for lang in ("en", "fr"):
+        for lang in (SRC, tgt):
             path = os.path.join(data, f"{split}.{lang}")
             path = path if os.path.exists(path) or not os.path.exists(path + ".gz") else path + ".gz"
             found[os.path.basename(path)] = file_sha256(path) if os.path.isfile(path) else None
     return found
+
+
+def prepared_target(data: str) -> str:
+    """The target language of prepared data (``data/ref/valid.TGT``, the untouched references)."""
+    refs = sorted(name.split(".")[1] for name in os.listdir(os.path.join(data, "ref"))
+                  if name.startswith("valid.") and name != f"valid.{SRC}") if os.path.isdir(os.path.join(data, "ref")) else []
+    if len(refs) != 1:
+        raise SystemExit(f"multi30k_converged: {data}/ref should hold valid.{SRC} and one valid.TGT: prepare the data "
+                         "with this driver")
+    return refs[0]
 
 
 def hyps_dir(ledger: str) -> str:
@@ -198,13 +228,32 @@ def hyps_dir(ledger: str) -> str:
     return re.sub(r"\.jsonl$", "", ledger) + ".hyps"
 
 
-def keep_hypotheses(ledger: str, key: str, out: str) -> None:
+def blind_dir(ledger: str) -> str:
+    """Where the blind test sets' hypotheses go: beside the ledger (LEDGER minus .jsonl, plus .blind). Written for
+    scoring outside the project: nothing here reads them."""
+    return re.sub(r"\.jsonl$", "", ledger) + ".blind"
+
+
+def gzip_file(path: str, gz: str) -> None:
+    """``path`` gzipped into ``gz`` (no timestamp, so that the same hypotheses give the same bytes)."""
+    os.makedirs(os.path.dirname(gz), exist_ok=True)
+    with open(path, "rb") as f, gzip.GzipFile(gz, "wb", mtime=0) as g:
+        g.write(f.read())
+
+
+def keep_hypotheses(ledger: str, key: str, out: str, tgt: str) -> None:
     """Copies a scored run's detokenised hypotheses (val and test) beside the ledger, gzipped."""
-    os.makedirs(hyps_dir(ledger), exist_ok=True)
     for subset in ("valid", "test"):
-        with open(os.path.join(out, f"{subset}.beam{BEAM}.fr"), "rb") as f, \
-                gzip.GzipFile(os.path.join(hyps_dir(ledger), f"{key}.{subset}.fr.gz"), "wb", mtime=0) as g:
-            g.write(f.read())
+        gzip_file(os.path.join(out, f"{subset}.beam{BEAM}.{tgt}"),
+                  os.path.join(hyps_dir(ledger), f"{key}.{subset}.{tgt}.gz"))
+
+
+def blind_sets(blind: Optional[str]) -> Dict[str, str]:
+    """The blind test sources of ``--blind DIR`` (``NAME.en``: English without references), by NAME."""
+    if not blind or not os.path.isdir(blind):
+        return {}
+    return {name[:-len(f".{SRC}")]: os.path.join(blind, name) for name in sorted(os.listdir(blind))
+            if name.endswith(f".{SRC}")}
 
 
 class TrainLog:
@@ -253,6 +302,20 @@ def checkpoint_updates(path: str) -> int:
     return int(state["optimizer_history"][-1]["num_updates"])
 
 
+def translate_blind(data: str, checkpoint: str, names: List[str], out: str) -> Dict[str, str]:
+    """The blind sets ``names`` (prepared by ``prepare.py --sources-only`` into ``data/sources/NAME``) translated
+    with the scoring's decoding (``translate.sh``: beam 5, the same length limits, detokenised); their paths."""
+    paths = {}
+    os.makedirs(out, exist_ok=True)
+    for name in names:
+        env = dict(os.environ, PYTHON=sys.executable, SUBSET="test", BEAM=str(BEAM), OUT=os.path.join(out, name),
+                   BIN=os.path.join(data, "sources", name, "bin"))
+        log = os.path.join(out, f"translate.{name}.log")
+        paths[name] = run_logged(["bash", os.path.join(RECIPE, "translate.sh"), data, checkpoint], log, env=env,
+                                 echo=False).strip().splitlines()[-1]
+    return paths
+
+
 def evaluate(data: str, checkpoint: str, out: str) -> Dict[str, float]:
     """evaluate.sh (beam 5, sacrebleu) on valid and test; hypotheses stay in ``out`` for the paired bootstrap."""
     bleu = {}
@@ -270,24 +333,26 @@ class Study:
         self.args = args
         self.ledger = args.ledger or os.path.join(args.workdir, "ledger.jsonl")
         self.data = args.prepared or os.path.join(args.workdir, "data")
+        self.tgt = target_language(args.data) if not args.prepared else prepared_target(self.data)
+        self.blind = blind_sets(args.blind)
 
     def prepare(self) -> None:
         """Prepares ``--data`` into WORKDIR/data once, recording its inputs' sha256 in ``data/source.json``; a
         later ``run`` on a workdir prepared from other inputs stops before touching anything."""
         a = self.args
-        prepared = os.path.exists(os.path.join(self.data, "bin", "dict.fr.txt"))
+        prepared = os.path.exists(os.path.join(self.data, "bin", f"dict.{self.tgt}.txt"))
         if a.prepared:  # another workdir's prepared data, checked against its inputs when that workdir ran
             if not prepared:
-                raise SystemExit(f"multi30k_converged: --prepared {a.prepared} has no bin/dict.fr.txt: give the "
-                                 "data/ folder of a workdir this driver prepared")
+                raise SystemExit(f"multi30k_converged: --prepared {a.prepared} has no bin/dict.{self.tgt}.txt: give "
+                                 "the data/ folder of a workdir this driver prepared")
             return
         splits = ["train", a.valid_name, a.test_name]
-        inputs = source_files(a.data, splits)
+        inputs = source_files(a.data, splits, self.tgt)
         missing = [name for name, sha in inputs.items() if sha is None]
         if missing:
-            raise SystemExit(f"multi30k_converged: --data {a.data} lacks {', '.join(missing)} (line-aligned en-fr "
-                             f"text: {', '.join(s + '.en/.fr' for s in splits)}; --valid-name/--test-name for other "
-                             "names)")
+            raise SystemExit(f"multi30k_converged: --data {a.data} lacks {', '.join(missing)} (line-aligned "
+                             f"{SRC}-{self.tgt} text: {', '.join(f'{s}.{SRC}/.{self.tgt}' for s in splits)}; "
+                             "--valid-name/--test-name for other names)")
         source = os.path.join(self.data, "source.json")
         if prepared and os.path.exists(source):
             with open(source, encoding="utf-8") as f:
@@ -306,11 +371,33 @@ class Study:
             os.makedirs(a.workdir, exist_ok=True)
             run_logged([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", self.data,
                         "--train", f"{a.data}/train", "--valid", f"{a.data}/{a.valid_name}",
-                        "--test", f"{a.data}/{a.test_name}", "--bpe", "sentencepiece", "--bpe-size",
+                        "--test", f"{a.data}/{a.test_name}", "--tgt", self.tgt, "--bpe", "sentencepiece", "--bpe-size",
                         str(a.bpe_size), "--workers", "2"], os.path.join(a.workdir, "prepare.log"))
         with open(source, "w", encoding="utf-8") as f:
             json.dump({"data": os.path.abspath(a.data), "files": inputs}, f, indent=1, sort_keys=True)
 
+    def prepare_blind(self) -> None:
+        """The blind sets' sources, encoded with this workdir's sentencepiece model and dictionaries
+        (``prepare.py --sources-only``), once per workdir and whenever a source file changes; their sha256 in
+        ``data/sources/source.json``."""
+        if not self.blind:
+            return
+        record = os.path.join(self.data, "sources", "source.json")
+        inputs = {name: file_sha256(path) for name, path in self.blind.items()}
+        if os.path.exists(record):
+            with open(record, encoding="utf-8") as f:
+                if json.load(f) == inputs:
+                    return
+        run_logged([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", self.data, "--bpe", "sentencepiece",
+                    "--sources-only", *(f"{name}={path}" for name, path in self.blind.items())],
+                   os.path.join(self.args.workdir, "prepare_blind.log"))
+        with open(record, "w", encoding="utf-8") as f:
+            json.dump(inputs, f, indent=1, sort_keys=True)
+
+    def keep_blind(self, key: str, checkpoint: str, out: str) -> None:
+        """A final model's translations of the blind sets, gzipped beside the ledger as ``KEY.NAME.TGT.gz``."""
+        for name, path in translate_blind(self.data, checkpoint, list(self.blind), os.path.join(out, "blind")).items():
+            gzip_file(path, os.path.join(blind_dir(self.ledger), f"{key}.{name}.{self.tgt}.gz"))
     def check_ledger(self) -> None:
         """The ledger's runs were trained on this workdir's prepared data (rows record ``data_fingerprint``): one
         ledger, one data set. Rows without it are not checked: rows of versions before the fingerprint, and rows
@@ -329,16 +416,17 @@ class Study:
                   "first version's data_sha256, which hashed fairseq-preprocess's log with the data)", flush=True)
 
     def record(self, row: dict) -> None:
-        append_row(self.ledger, {**row, "data_fingerprint": self.data_fingerprint})
+        append_row(self.ledger, {**row, "pair": f"{SRC}-{self.tgt}", "data_fingerprint": self.data_fingerprint})
 
-    def converge_args(self) -> List[str]:
+    def converge_args(self, patience: Optional[int] = None) -> List[str]:
+        """The convergence rule; ``patience``: early stopping's, when an arm's differs from ``--patience``."""
         a = self.args
         # Exactly resumable: the plateau's and --patience's counts survive a restart (reduce_lr_on_plateau_resumable),
         # and each epoch's batches are built from seed + epoch whether or not the run restarted (fairseq otherwise
         # reuses epoch 1's in an uninterrupted run and builds new ones at the restart's epoch).
         return ["--update-epoch-batch-itr", "True",
                 *EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5",
-                "--lr-patience", str(a.lr_patience), "--patience", str(a.patience), "--max-epoch", str(a.max_epoch)]
+                "--lr-patience", str(a.lr_patience), "--patience", str(patience or a.patience), "--max-epoch", str(a.max_epoch)]
 
     def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str],
               save_as: Optional[str] = None) -> Optional[dict]:
@@ -383,7 +471,8 @@ class Study:
                "train_s_starts": [round(t.seconds, 1) for t in logs],
                "bleu": evaluate(self.data, os.path.join(save, "checkpoint_best.pt"), save),
                "extra": extra + shlex.split(self.args.extra_args)}
-        keep_hypotheses(self.ledger, key, save)
+        keep_hypotheses(self.ledger, key, save, self.tgt)
+        self.keep_blind(key, os.path.join(save, "checkpoint_best.pt"), save)
         self.record(row)
         return row
 
@@ -494,9 +583,32 @@ class Study:
         self.pretrain(seed, key=f"{key}.rerun")
         return path if os.path.exists(path) else None
 
+    def blind_for_ledger(self) -> None:
+        """``blind``: the blind sets translated by every ledger run whose ``checkpoint_best.pt`` is in the workdir and
+        whose translations are not kept yet; says which runs have no checkpoint here."""
+        self.prepare_blind()
+        missing = []
+        rows = rows_by_key(self.ledger)
+        for key, row in rows.items():
+            if row["stage"] == "pruning":
+                continue
+            save = os.path.join(self.args.workdir, "checkpoints", key.removesuffix(".rerun"))
+            wanted = [os.path.join(blind_dir(self.ledger), f"{key}.{name}.{self.tgt}.gz") for name in self.blind]
+            if all(os.path.exists(path) for path in wanted):
+                continue
+            # (a rerun trains into its original's folder: the checkpoint there is the rerun's)
+            if f"{key}.rerun" in rows or not os.path.exists(os.path.join(save, "checkpoint_best.pt")):
+                missing.append(key)
+                continue
+            print(f"{key}: translating the blind sets", flush=True)
+            self.keep_blind(key, os.path.join(save, "checkpoint_best.pt"), save)
+        if missing:
+            print(f"no checkpoint in {self.args.workdir} (no blind translations): {', '.join(missing)}", flush=True)
+
     def run(self) -> None:
         a = self.args
         self.prepare()
+        self.prepare_blind()
         os.makedirs(a.workdir, exist_ok=True)
         self.data_fingerprint = prepared_fingerprint(self.data)
         self.check_ledger()
@@ -516,7 +628,7 @@ class Study:
                     extra = TRANSFORMER + ATTENTION[mode] + ["--lr", str(a.lr), "--warmup-updates", "200",
                                                              "--criterion", "label_smoothed_cross_entropy"]
                     self.train(f"attention.{mode}.seed{seed}", "attention", "transformer_topk_attn", mode, seed,
-                               extra + self.converge_args())
+                               extra + self.converge_args(PATIENCE.get(mode)))
 
 
 # ------------------------------------------------------------------------------------------- report ----
@@ -542,8 +654,9 @@ def paired_bootstrap(ref: str, baseline: str, system: str) -> Optional[float]:
 
 def hypotheses(args, ledger: str, key: str, subset: str) -> str:
     """A scored run's hypotheses: those kept beside the ledger, else the workdir's."""
-    kept = os.path.join(hyps_dir(ledger), f"{key}.{subset}.fr.gz")
-    return kept if os.path.exists(kept) else os.path.join(args.workdir, "checkpoints", key, f"{subset}.beam{BEAM}.fr")
+    tgt = prepared_target(args.prepared or os.path.join(args.workdir, "data"))
+    kept = os.path.join(hyps_dir(ledger), f"{key}.{subset}.{tgt}.gz")
+    return kept if os.path.exists(kept) else os.path.join(args.workdir, "checkpoints", key, f"{subset}.beam{BEAM}.{tgt}")
 
 
 def wall_seconds(row: dict) -> float:
@@ -589,7 +702,7 @@ def report(args) -> str:
                 if b is None:
                     continue
                 diffs.append(r["bleu"][subset] - b["bleu"][subset])
-                p = paired_bootstrap(os.path.join(data, "ref", f"{subset}.fr"),
+                p = paired_bootstrap(os.path.join(data, "ref", f"{subset}.{prepared_target(data)}"),
                                      hypotheses(args, ledger, b["key"], subset),
                                      hypotheses(args, ledger, r["key"], subset))
                 ps.append("-" if p is None else f"{p:.3f}")
@@ -636,8 +749,11 @@ def report(args) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["run", "report"])
+    p.add_argument("command", choices=["run", "report", "blind"])
     p.add_argument("--data", default=os.path.join(REPO_ROOT, "..", "shared", "data", "multi30k_en_fr"))
+    p.add_argument("--blind", default=os.path.join(REPO_ROOT, "..", "shared", "data", "blind"),
+                   help=f"blind test sources (NAME.{SRC}, no references): every scored run translates them into "
+                        "LEDGER.blind/KEY.NAME.TGT.gz, for scoring outside the study ('' for none)")
     p.add_argument("--valid-name", default="val")
     p.add_argument("--test-name", default="test_2016_flickr")
     p.add_argument("--workdir", default=os.path.join(REPO_ROOT, "work", "converged"))
@@ -673,6 +789,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.command == "run":
         Study(args).run()
+    elif args.command == "blind":
+        Study(args).blind_for_ledger()
     else:
         report(args)
 

@@ -12,3 +12,12 @@ KEEP_LAST_BATCH=(--required-batch-size-multiple 1)
 need_dir() {
     if [ ! -d "$1" ]; then echo "error: $1 not found ($2)" >&2; exit 2; fi
 }
+
+# SRC and TGT of a prepared DEST, from fairseq-preprocess's file names (DEST/bin/valid.SRC-TGT.SRC.idx).
+prepared_languages() {
+    local idx pair
+    idx=$(cd "$1/bin" && ls valid.*-*.*.idx 2>/dev/null | head -n 1)
+    if [ -z "$idx" ]; then echo "error: $1/bin has no valid.SRC-TGT.*.idx (run prepare.py first)" >&2; exit 2; fi
+    pair=${idx#valid.}; pair=${pair%%.*}
+    SRC=${pair%-*}; TGT=${pair#*-}
+}

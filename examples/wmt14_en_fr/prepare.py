@@ -1,8 +1,9 @@
-"""Prepare WMT14 en-fr (or any line-aligned en-fr text) for fairseq: the data step of the paper's setting.
+"""Prepare WMT14 en-fr (or any line-aligned English-X text) for fairseq: the data step of the paper's setting.
 
     python examples/wmt14_en_fr/prepare.py --dest data/wmt14_en_fr --download           # WMT14, ~36M pairs
     python examples/wmt14_en_fr/prepare.py --dest data/slice --train DIR/train \\
         --valid DIR/val --test DIR/test --max-lines 2000 --bpe-size 1000                # local files, offline
+    python examples/wmt14_en_fr/prepare.py --dest data/slice --sources-only NAME=FILE   # English to translate
 
 Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
 
@@ -11,8 +12,9 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
    training set; newstest2013 is the validation set, newstest2014 (``full``) the test set. Offline: put the
    archives (``os.path.basename`` of each URL in ``WMT14_URLS``) into ``DEST/orig`` yourself and run with
    ``--download``; archives already there are not fetched, only extracted. Without ``--download``:
-   ``--train/--valid/--test PREFIX`` name raw files ``PREFIX.en`` / ``PREFIX.fr``; for ``--valid``/``--test``
-   these (or ``PREFIX.en.sgm`` / ``PREFIX.fr.sgm``) may be WMT SGML files, whose segments are extracted.
+   ``--train/--valid/--test PREFIX`` name raw files ``PREFIX.en`` / ``PREFIX.TGT`` (``--tgt``, default ``fr``);
+   for ``--valid``/``--test`` these (or ``PREFIX.en.sgm`` / ``PREFIX.TGT.sgm``) may be WMT SGML files, whose
+   segments are extracted.
 2. Moses punctuation normalisation; with subword-nmt also Moses tokenisation (sentencepiece works on raw
    text); training pairs with an empty side, more than ``--max-len`` tokens or a length ratio above
    ``--max-ratio`` are dropped (fairseq's ``clean-corpus-n.perl 1 250`` with ratio 1.5).
@@ -20,8 +22,12 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
    and the paper's choice) or a sentencepiece BPE model with that vocabulary size.
 4. ``fairseq-preprocess --joined-dictionary`` into ``DEST/bin``.
 
-The untouched references go to ``DEST/ref/{valid,test}.{en,fr}``; ``evaluate.sh`` scores against them with
+The untouched references go to ``DEST/ref/{valid,test}.{en,TGT}``; ``evaluate.sh`` scores against them with
 detokenised sacrebleu. Large inputs are streamed in chunks over ``--workers`` processes.
+
+``--sources-only NAME=FILE ...`` on a prepared DEST: English text with no reference (a blind test set), normalised
+and encoded as the training sources were, binarized with DEST's dictionaries into ``DEST/sources/NAME/bin``
+(subset ``test``, no target side), for ``translate.sh`` (``BIN=DEST/sources/NAME/bin``).
 """
 import argparse
 import functools
@@ -40,7 +46,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from softtopk_fairseq.pipeline import run, text
 
-LANGS = ("en", "fr")
+SRC = "en"
 # fairseq's prepare-wmt14en2fr.sh, plus dev.tgz for newstest2013.
 WMT14_URLS = [
     "http://statmt.org/wmt13/training-parallel-europarl-v7.tgz",
@@ -103,32 +109,33 @@ def is_sgm(path: str) -> bool:
     return head.startswith("<") and "<seg" in head
 
 
-def local_split(prefix: str, split: str, out: str) -> str:
+def local_split(prefix: str, split: str, out: str, langs: Tuple[str, str]) -> str:
     """The prefix of plain, line-aligned text for a local ``--valid``/``--test`` PREFIX: PREFIX.LANG as is, or,
     when it (or PREFIX.LANG.sgm) is a WMT SGML file, its segments extracted into ``out/SPLIT.LANG`` (read as
     text, the markup lines would be binarized as sentences)."""
     paths, sgm = {}, {}
-    for lang in LANGS:
+    for lang in langs:
         plain, tagged = f"{prefix}.{lang}", f"{prefix}.{lang}.sgm"
         paths[lang] = plain if os.path.exists(plain) else tagged if os.path.exists(tagged) else plain
         sgm[lang] = os.path.exists(paths[lang]) and is_sgm(paths[lang])
     if not any(sgm.values()):
         return prefix
     os.makedirs(out, exist_ok=True)
-    lines = {lang: read_sgm(paths[lang]) if sgm[lang] else text.read_lines(paths[lang]) for lang in LANGS}
-    if len(lines["en"]) != len(lines["fr"]):
-        raise SystemExit(f"{prefix}: {len(lines['en'])} segments in .en but {len(lines['fr'])} in .fr")
-    for lang in LANGS:
+    lines = {lang: read_sgm(paths[lang]) if sgm[lang] else text.read_lines(paths[lang]) for lang in langs}
+    src, tgt = langs
+    if len(lines[src]) != len(lines[tgt]):
+        raise SystemExit(f"{prefix}: {len(lines[src])} segments in .{src} but {len(lines[tgt])} in .{tgt}")
+    for lang in langs:
         text.write_lines(os.path.join(out, f"{split}.{lang}"), lines[lang])
-    print(f"{split}: read {', '.join(paths[lang] for lang in LANGS if sgm[lang])} as WMT SGML "
-          f"({len(lines['en'])} segments)", flush=True)
+    print(f"{split}: read {', '.join(paths[lang] for lang in langs if sgm[lang])} as WMT SGML "
+          f"({len(lines[src])} segments)", flush=True)
     return os.path.join(out, split)
 
 
 def collect_wmt14(orig: str, out: str) -> Tuple[str, str, str]:
     """Concatenate the extracted WMT14 corpora into ``out/{train,valid,test}.{en,fr}``; return the prefixes."""
     os.makedirs(out, exist_ok=True)
-    for lang in LANGS:
+    for lang in (SRC, "fr"):
         with open(os.path.join(out, f"train.{lang}"), "w", encoding="utf-8") as dst:
             for corpus in WMT14_TRAIN:
                 with _open_text(os.path.join(orig, f"{corpus}.{lang}")) as src:
@@ -138,38 +145,43 @@ def collect_wmt14(orig: str, out: str) -> Tuple[str, str, str]:
     return tuple(os.path.join(out, split) for split in ("train", "valid", "test"))
 
 
-def read_pairs(prefix: str, max_lines: int = 0) -> Iterator[Tuple[List[str], List[str]]]:
-    """Chunks of aligned (en lines, fr lines) of ``prefix.en`` / ``prefix.fr``; raise if they differ in length."""
-    with _open_text(f"{prefix}.en") as f_en, _open_text(f"{prefix}.fr") as f_fr:
-        pairs = itertools.zip_longest(f_en, f_fr)
+def read_pairs(prefix: str, langs: Tuple[str, str], max_lines: int = 0) -> Iterator[Tuple[List[str], List[str]]]:
+    """Chunks of aligned (source lines, target lines) of ``prefix.SRC`` / ``prefix.TGT``; raise if they differ in
+    length."""
+    src, tgt = langs
+    with _open_text(f"{prefix}.{src}") as f_src, _open_text(f"{prefix}.{tgt}") as f_tgt:
+        pairs = itertools.zip_longest(f_src, f_tgt)
         if max_lines > 0:
             pairs = itertools.islice(pairs, max_lines)
         while True:
             chunk = list(itertools.islice(pairs, CHUNK))
             if not chunk:
                 return
-            if any(en is None or fr is None for en, fr in chunk):
-                raise SystemExit(f"{prefix}.en and {prefix}.fr have different numbers of lines")
-            yield [en.rstrip("\n") for en, _ in chunk], [fr.rstrip("\n") for _, fr in chunk]
+            if any(a is None or b is None for a, b in chunk):
+                raise SystemExit(f"{prefix}.{src} and {prefix}.{tgt} have different numbers of lines")
+            yield [a.rstrip("\n") for a, _ in chunk], [b.rstrip("\n") for _, b in chunk]
 
 
-def clean_pairs(en: Sequence[str], fr: Sequence[str], max_len: int, max_ratio: float):
+def clean_pairs(src: Sequence[str], tgt: Sequence[str], max_len: int, max_ratio: float):
     """Drop pairs with an empty side, a side longer than ``max_len`` tokens or a length ratio > ``max_ratio``."""
-    keep_en, keep_fr = [], []
-    for a, b in zip(en, fr):
+    keep_src, keep_tgt = [], []
+    for a, b in zip(src, tgt):
         la, lb = len(a.split()), len(b.split())
         if 0 < la <= max_len and 0 < lb <= max_len and max(la, lb) <= max_ratio * min(la, lb):
-            keep_en.append(a)
-            keep_fr.append(b)
-    return keep_en, keep_fr
+            keep_src.append(a)
+            keep_tgt.append(b)
+    return keep_src, keep_tgt
 
 
-def _process_chunk(chunk, tokenize: bool, clean: Optional[Tuple[int, float]]):
-    en, fr = chunk
-    out = []
-    for lines, lang in ((en, "en"), (fr, "fr")):
-        lines = text.moses_normalize(lines, lang)
-        out.append(text.moses_tokenize(lines, lang) if tokenize else lines)
+def _normalize(lines: Sequence[str], lang: str, tokenize: bool) -> List[str]:
+    """Moses punctuation normalisation, and Moses tokenisation for subword-nmt: every side of every split, and the
+    source-only sets, go through this one function."""
+    lines = text.moses_normalize(lines, lang)
+    return text.moses_tokenize(lines, lang) if tokenize else lines
+
+
+def _process_chunk(chunk, langs: Tuple[str, str], tokenize: bool, clean: Optional[Tuple[int, float]]):
+    out = [_normalize(lines, lang, tokenize) for lines, lang in zip(chunk, langs)]
     return clean_pairs(*out, *clean) if clean else tuple(out)
 
 
@@ -183,23 +195,60 @@ def _encode_chunk(chunk, bpe: text.JointBPE):
     return tuple(bpe.encode(lines) for lines in chunk)
 
 
-def _map_pairs(pool, func, chunks, out_prefix: str) -> int:
-    """Apply ``func`` to chunks of pairs (in ``pool`` when there is one); write ``out_prefix.{en,fr}``."""
+def _map_pairs(pool, func, chunks, out_prefix: str, langs: Tuple[str, str]) -> int:
+    """Apply ``func`` to chunks of pairs (in ``pool`` when there is one); write ``out_prefix.{SRC,TGT}``."""
     results = pool.imap(func, chunks) if pool else map(func, chunks)
     n = 0
-    with open(f"{out_prefix}.en", "w", encoding="utf-8") as f_en, open(f"{out_prefix}.fr", "w", encoding="utf-8") as f_fr:
-        for en, fr in results:
-            f_en.writelines(line + "\n" for line in en)
-            f_fr.writelines(line + "\n" for line in fr)
-            n += len(en)
+    src, tgt = langs
+    with open(f"{out_prefix}.{src}", "w", encoding="utf-8") as f_src, \
+            open(f"{out_prefix}.{tgt}", "w", encoding="utf-8") as f_tgt:
+        for a, b in results:
+            f_src.writelines(line + "\n" for line in a)
+            f_tgt.writelines(line + "\n" for line in b)
+            n += len(a)
     return n
+
+
+def prepared_languages(dest: str) -> Tuple[str, str]:
+    """(source, target) of a prepared DEST, read from fairseq-preprocess's file names (``valid.SRC-TGT.SRC.idx``)."""
+    for name in sorted(os.listdir(os.path.join(dest, "bin"))):
+        m = re.match(r"^valid\.([^.-]+)-([^.-]+)\.[^.]+\.idx$", name)
+        if m:
+            return m.group(1), m.group(2)
+    raise SystemExit(f"{dest}/bin has no valid.SRC-TGT.*.idx: prepare it first")
+
+
+def prepare_sources_only(dest: str, named: List[str], bpe_method: str) -> None:
+    """``--sources-only NAME=FILE``: source text without references, normalised and encoded as the training
+    sources were, binarized with DEST's dictionaries into ``DEST/sources/NAME/bin`` (subset ``test``)."""
+    src, tgt = prepared_languages(dest)
+    bpe = text.JointBPE(bpe_method, os.path.join(dest, "bpe"))
+    if not os.path.exists(bpe.model_path):
+        raise SystemExit(f"{bpe.model_path} not found: DEST was not prepared with --bpe {bpe_method}")
+    for item in named:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not os.path.isfile(path):
+            raise SystemExit(f"--sources-only takes NAME=FILE with an existing FILE, got {item!r}")
+        out = os.path.join(dest, "sources", name)
+        shutil.rmtree(out, ignore_errors=True)  # fairseq-preprocess refuses to overwrite
+        os.makedirs(out)
+        lines = text.read_lines(path)
+        text.write_lines(os.path.join(out, f"test.{src}"), bpe.encode(_normalize(lines, src, bpe.pretokenize)))
+        run.run_logged(run.fairseq_cmd("preprocess") + [
+            "--source-lang", src, "--target-lang", tgt, "--only-source", "--testpref", os.path.join(out, "test"),
+            "--srcdict", os.path.join(dest, "bin", f"dict.{src}.txt"), "--destdir", os.path.join(out, "bin")],
+            os.path.join(out, "preprocess.log"), echo=False)
+        # fairseq's translation task loads both dictionaries from the data folder
+        shutil.copyfile(os.path.join(dest, "bin", f"dict.{tgt}.txt"), os.path.join(out, "bin", f"dict.{tgt}.txt"))
+        print(f"{name}: {len(lines)} source sentences in {out}/bin", flush=True)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dest", required=True, help="output directory (orig/, ref/, tok/, bpe/, bin/)")
     p.add_argument("--download", action="store_true", help="fetch WMT14 en-fr into DEST/orig (needs internet)")
-    p.add_argument("--train", help="prefix of local raw training text (PREFIX.en, PREFIX.fr)")
+    p.add_argument("--tgt", default="fr", help="target language: the suffix of the local raw files (default fr)")
+    p.add_argument("--train", help="prefix of local raw training text (PREFIX.en, PREFIX.TGT)")
     p.add_argument("--valid", help="prefix of local raw validation text")
     p.add_argument("--test", help="prefix of local raw test text")
     p.add_argument("--max-lines", type=int, default=0, help="use only the first N training pairs (0: all)")
@@ -209,16 +258,29 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=250, help="longest training sentence kept, in tokens")
     p.add_argument("--max-ratio", type=float, default=1.5, help="largest length ratio of a kept training pair")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    p.add_argument("--sources-only", nargs="+", metavar="NAME=FILE",
+                   help="on a prepared DEST: source text without references, into DEST/sources/NAME/bin")
     args = p.parse_args(argv)
     local = [args.train, args.valid, args.test]
+    if args.sources_only:
+        if args.download or any(local):
+            p.error("--sources-only works on a prepared --dest: give it alone")
+        return args
     if args.download == any(local) or (not args.download and not all(local)):
         p.error("give either --download or all of --train, --valid and --test")
+    if args.download and args.tgt != "fr":
+        p.error(f"--download fetches WMT14 en-fr: --tgt {args.tgt} needs local files")
+    if args.tgt == SRC:
+        p.error(f"--tgt must differ from the source language {SRC!r}")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.sources_only:
+        return prepare_sources_only(args.dest, args.sources_only, args.bpe)
     start = time.time()
+    langs = (SRC, args.tgt)
     dirs = {name: os.path.join(args.dest, name) for name in ("orig", "ref", "tok", "bpe", "bin")}
     shutil.rmtree(dirs["bin"], ignore_errors=True)  # fairseq-preprocess refuses to overwrite
     for name in ("ref", "tok", "bpe"):
@@ -228,30 +290,30 @@ def main(argv=None) -> None:
         prefixes = dict(zip(("train", "valid", "test"), collect_wmt14(dirs["orig"], os.path.join(dirs["orig"], "raw"))))
     else:
         extracted = os.path.join(dirs["orig"], "raw")
-        prefixes = {"train": args.train, "valid": local_split(args.valid, "valid", extracted),
-                    "test": local_split(args.test, "test", extracted)}
+        prefixes = {"train": args.train, "valid": local_split(args.valid, "valid", extracted, langs),
+                    "test": local_split(args.test, "test", extracted, langs)}
     bpe = text.JointBPE(args.bpe, dirs["bpe"])
     pool = multiprocessing.Pool(args.workers) if args.workers > 1 else None
     try:
         for split, prefix in prefixes.items():
             clean = (args.max_len, args.max_ratio) if split == "train" else None
-            func = functools.partial(_process_chunk, tokenize=bpe.pretokenize, clean=clean)
-            n = _map_pairs(pool, func, read_pairs(prefix, args.max_lines if split == "train" else 0),
-                           os.path.join(dirs["tok"], split))
+            func = functools.partial(_process_chunk, langs=langs, tokenize=bpe.pretokenize, clean=clean)
+            n = _map_pairs(pool, func, read_pairs(prefix, langs, args.max_lines if split == "train" else 0),
+                           os.path.join(dirs["tok"], split), langs)
             print(f"{split}: {n} sentence pairs", flush=True)
         for split in ("valid", "test"):
-            for lang in LANGS:
+            for lang in langs:
                 shutil.copyfile(f"{prefixes[split]}.{lang}", os.path.join(dirs["ref"], f"{split}.{lang}"))
-        bpe.learn([os.path.join(dirs["tok"], f"train.{lang}") for lang in LANGS], args.bpe_size)
+        bpe.learn([os.path.join(dirs["tok"], f"train.{lang}") for lang in langs], args.bpe_size)
         print(f"BPE ({args.bpe}, size {args.bpe_size}): {bpe.model_path}", flush=True)
         for split in prefixes:
             _map_pairs(pool, functools.partial(_encode_chunk, bpe=bpe),
-                       read_pairs(os.path.join(dirs["tok"], split)), os.path.join(dirs["bpe"], split))
+                       read_pairs(os.path.join(dirs["tok"], split), langs), os.path.join(dirs["bpe"], split), langs)
     finally:
         if pool:
             pool.close()
             pool.join()
-    run.binarize(dirs["bpe"], dirs["bin"], "en", "fr", os.path.join(args.dest, "preprocess.log"),
+    run.binarize(dirs["bpe"], dirs["bin"], *langs, os.path.join(args.dest, "preprocess.log"),
                  workers=args.workers)
     print(f"done in {time.time() - start:.0f} s: fairseq data in {dirs['bin']}, references in {dirs['ref']}")
 
