@@ -1,0 +1,26 @@
+"""Record the golden outputs of ``cases.py`` into ``golden.pt`` (run from the repository root, before a change
+whose behaviour must stay the same):
+
+    TRITON_INTERPRET=1 PYTHONPATH=tests .venv/bin/python tests/golden/record.py
+
+The file is committed; ``tests/test_golden.py`` recomputes every case with the code as it is and compares.
+"""
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/, for tiny_models
+
+from golden.cases import CASES  # noqa: E402
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("record.py: set TRITON_INTERPRET=1 (the Triton kernels run on CPU tensors)")
+    found = {}
+    for name, case in CASES.items():
+        results = case()
+        print(f"{name}: {len(results)} tensors", flush=True)
+        found.update(results)
+    torch.save({name: value.detach().clone() for name, value in found.items()}, os.path.join(HERE, "golden.pt"))
