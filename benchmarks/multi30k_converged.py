@@ -751,9 +751,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["run", "report", "blind"])
     p.add_argument("--data", default=os.path.join(REPO_ROOT, "..", "shared", "data", "multi30k_en_fr"))
-    p.add_argument("--blind", default=os.path.join(REPO_ROOT, "..", "shared", "data", "blind"),
-                   help=f"blind test sources (NAME.{SRC}, no references): every scored run translates them into "
-                        "LEDGER.blind/KEY.NAME.TGT.gz, for scoring outside the study ('' for none)")
+    p.add_argument("--blind", help=f"a folder of blind test sources (NAME.{SRC}, no references): every scored run "
+                                   "translates them into LEDGER.blind/KEY.NAME.TGT.gz, for scoring outside the study")
     p.add_argument("--valid-name", default="val")
     p.add_argument("--test-name", default="test_2016_flickr")
     p.add_argument("--workdir", default=os.path.join(REPO_ROOT, "work", "converged"))

@@ -12,7 +12,7 @@
 #   index instead (e.g. a PyTorch wheel index for another CUDA version). Set-up fails if the installed torch
 #   then has no CUDA.
 # SOFTTOPK_SETUP_PLAN=1 prints the chosen build and the effective pins, and installs nothing.
-# Idempotent: when the constraints, setup.cfg, this script and the chosen build are unchanged since the last
+# Idempotent: when the constraints, pyproject.toml, this script and the chosen build are unchanged since the last
 # successful run, it returns in well under a second.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,7 +44,7 @@ if [[ -n ${SOFTTOPK_SETUP_PLAN:-} ]]; then  # say what would be installed, insta
     grep -E '==' "$constraints"
     exit 0
 fi
-want=$( (cat "$root/constraints.txt" "$root/constraints-cuda.txt" "$root/setup.cfg" "$root/pyproject.toml" "$0";
+want=$( (cat "$root/constraints.txt" "$root/constraints-cuda.txt" "$root/pyproject.toml" "$0";
          echo "$flavour ${SOFTTOPK_TORCH_INDEX:-}") | sha256sum | cut -d' ' -f1)
 
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
@@ -68,8 +68,8 @@ log "3/5 fairseq-fixed (compiles against our torch; a few minutes on first run)"
 if ! "$venv/bin/python" -c "import fairseq" 2>/dev/null; then
     "${pip[@]}" --no-build-isolation fairseq-fixed hydra-core omegaconf antlr4-python3-runtime bitarray
 fi
-log "4/5 tokenizers, scoring, triton, test tools, matplotlib, entmax (a benchmark peer)"
-"${pip[@]}" sentencepiece subword-nmt sacrebleu sacremoses triton pytest hypothesis matplotlib entmax
+log "4/5 tokenizers, scoring, triton, test tools, matplotlib, entmax (a benchmark peer), scikit-learn (its digits)"
+"${pip[@]}" sentencepiece subword-nmt sacrebleu sacremoses triton pytest hypothesis matplotlib entmax scikit-learn
 log "5/5 softtopk-fairseq (editable)"
 "${pip[@]}" --no-build-isolation --no-deps -e "$root"
 

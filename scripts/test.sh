@@ -5,7 +5,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 set +e
-"$root/.venv/bin/python" -m pytest -m "not slow" "$@"
+"$root/.venv/bin/python" -m pytest -m "not slow" --durations=15 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure for us, never a pass.

@@ -9,7 +9,7 @@ Layers, each importing only the ones before it:
   (:func:`user_dir`, inside the package; ``user_dir/`` in a clone).
 * ``softtopk_fairseq.pipeline``   -- the offline demo pipeline (drives the fairseq command lines).
 """
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 
 def user_dir() -> str:

@@ -2,7 +2,7 @@
 import os
 import subprocess
 
-from softtopk_fairseq.pipeline.run import fairseq_cmd
+from softtopk_fairseq.pipeline.run import fairseq_cmd, quiet_warnings_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO_ROOT, "user_dir")
@@ -10,7 +10,7 @@ USER_DIR = os.path.join(REPO_ROOT, "user_dir")
 
 def fairseq(tool, *args, cwd=None, check=True):
     """Run ``fairseq-<tool> ARGS`` with this interpreter; return the completed process (output captured)."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env = dict(quiet_warnings_env(), OMP_NUM_THREADS="1")  # (fairseq's own noise filtered, as the pipeline does)
     proc = subprocess.run(
         [*fairseq_cmd(tool), *map(str, args)],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

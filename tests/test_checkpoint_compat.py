@@ -1,7 +1,10 @@
 import argparse
+import os
 import subprocess
 import sys
+import warnings
 
+import pytest
 import torch
 
 CHECK = """
@@ -40,3 +43,79 @@ def test_plugin_allows_the_numpy_meters_of_an_eval_bleu_checkpoint(tmp_path):
                 "extra_state": {"metrics": {"counts": np.array([116, 104, 92, 80]), "best": np.float64(3.5)}}}, path)
     assert _load_in_fresh_process(path, "").startswith("REFUSED")
     assert _load_in_fresh_process(path, "import softtopk_fairseq.fairseq_plugin") == "LOADED lstm"
+
+
+# ------------------------------------------------------------------- checkpoints and flags of version 0.1 ----
+
+V0 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "v0_topk_attn")
+
+
+def test_a_v0_checkpoint_loads_with_its_modes_renamed_and_computes_what_it_did(monkeypatch):
+    """A transformer_topk_attn checkpoint written by version 0.1 (tests/fixtures/make_v0_checkpoint.py: saved
+    arguments ``topk_attn_mode='soft'``, ``topk_attn_inference='hard'``) loads through fairseq's own loader: the
+    modes come out under their names now (upgrade_args, with a warning), and the model's output in training and
+    in eval mode is what 0.1 computed, bit for bit."""
+    from fairseq import checkpoint_utils
+
+    import softtopk_fairseq.fairseq_plugin  # noqa: F401
+    from softtopk_fairseq.modules import relaxations
+
+    monkeypatch.setattr(relaxations, "_warned", set())
+    with pytest.warns(FutureWarning, match="'soft' is the old name of 'soft_topk'"):
+        models, cfg = checkpoint_utils.load_model_ensemble(
+            [os.path.join(V0, "checkpoint.pt")], arg_overrides={"data": V0, "source_lang": "en", "target_lang": "fr"})
+    model = models[0]
+    layers = [m for m in model.modules() if hasattr(m, "topk_mode")]
+    assert layers and {(m.topk_mode, m.topk_inference) for m in layers} == {("soft_topk", "hard_topk")}
+    expected = torch.load(os.path.join(V0, "expected.pt"))
+    src, lengths, prev = expected["batch"]
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            assert torch.equal(model(src, lengths, prev)[0], expected["outputs"][mode]), mode
+
+
+def test_a_v0_criterion_config_means_what_it_meant(monkeypatch):
+    """The checkpoint's saved criterion config (0.1's flags: --soft-topk-method perturbed --perturbed-sigma 0.3
+    --perturbed-samples 4) builds the criterion fairseq's way, into the new flags' values."""
+    from fairseq import checkpoint_utils, tasks
+
+    import softtopk_fairseq.criterions.soft_beam_search as criterion_module
+    from tiny_models import TinyTask, dictionary
+
+    monkeypatch.setattr(criterion_module, "_warned_flags", set())
+    saved = checkpoint_utils.load_checkpoint_to_cpu(os.path.join(V0, "checkpoint.pt"))["cfg"].criterion
+    assert (saved["soft_topk_method"], saved["perturbed_sigma"], saved["perturbed_samples"]) == ("perturbed", 0.3, 4)
+    with pytest.warns(FutureWarning, match="--soft-topk-method is the old name of --soft-beam-relaxation"):
+        criterion = tasks.FairseqTask.build_criterion(TinyTask(dictionary()), saved)
+    assert (criterion.search_options["relaxation"], criterion.search_options["epsilon"],
+            criterion.search_options["samples"]) == ("perturbed", 0.3, 4)
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(soft_topk_method="ot", soft_topk_epsilon=0.5), dict(relaxation="soft_topk", epsilon=0.5)),
+    (dict(soft_topk_method="perturbed", perturbed_sigma=0.2, soft_topk_epsilon=0.7),
+     dict(relaxation="perturbed", epsilon=0.2)),  # 0.1 took the noise from --perturbed-sigma, ignored the other
+    (dict(perturbed_sigma=0.2, soft_topk_scaling="none"), dict(relaxation="soft_topk", epsilon=0.1, scaling="none")),
+    (dict(soft_topk_method="softmax_k_times", perturbed_samples=3), dict(relaxation="softmax_k_times", samples=3)),
+])
+def test_criterion_flags_of_v0_are_aliases_of_the_new_ones(old, new):
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
+    from tiny_models import TinyTask, dictionary
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        criterion = SoftBeamSearchCriterion(TinyTask(dictionary()), SoftBeamSearchConfig(sentence_avg=False, **old))
+    assert {name: criterion.search_options[name] for name in new} == new
+
+
+def test_an_old_flag_that_contradicts_its_new_name_is_refused():
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
+    from tiny_models import TinyTask, dictionary
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(ValueError, match="--soft-topk-epsilon 0.5 contradicts --soft-beam-epsilon 0.3"):
+            SoftBeamSearchCriterion(TinyTask(dictionary()), SoftBeamSearchConfig(
+                sentence_avg=False, soft_topk_epsilon=0.5, soft_beam_epsilon=0.3))

@@ -13,9 +13,10 @@ from fairseq.utils import move_to_cuda
 import softtopk_fairseq.modules.soft_beam_search as search_module
 from softtopk_fairseq.criterions.soft_beam_search import (GRAPHS_UNUSED_WARNING, SoftBeamSearchConfig,
                                                          SoftBeamSearchCriterion, config_problems)
+from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
-from softtopk_fairseq.modules.soft_beam_search import make_relaxation, soft_beam_search
-from softtopk_fairseq.ops import soft_topk
+from softtopk_fairseq.modules.soft_beam_search import soft_beam_search
+from softtopk_fairseq.ops import use_backend
 from host_reads import HostReads
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
 
@@ -126,8 +127,8 @@ def test_step_graphs_are_not_used_for_relaxations_that_read_back_or_draw_noise(r
     cache = GraphCache(emulate=True)
     _search(model, sample, d, cache, relaxation=relaxation)
     assert cache.captures == 0
-    assert not make_relaxation(relaxation, 3, 0.1, "paper").capturable()
-    assert make_relaxation("ot", 3, 0.1, "paper").capturable()
+    assert not relaxations.make(relaxation, "search", 3, 0.1, scaling="paper").capturable()
+    assert relaxations.make("soft_topk", "search", 3, 0.1, scaling="paper").capturable()
 
 
 @pytest.mark.parametrize("candidates", [0, 7])
@@ -137,7 +138,6 @@ def test_the_step_a_graph_captures_reads_nothing_back_on_the_triton_backend(cand
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the CUDA capture test below covers it")
-    monkeypatch.setattr(search_module, "soft_topk", functools.partial(soft_topk, backend="triton"))
     d = dictionary()
     model, sample = build("lstm", d, dtype=torch.float32), batch(d)
     seen = []
@@ -154,7 +154,8 @@ def test_the_step_a_graph_captures_reads_nothing_back_on_the_triton_backend(cand
         return step
 
     monkeypatch.setattr(search_module, "_search_step", watched)
-    _search(model, sample, d, None, candidates=candidates)
+    with use_backend("triton"):
+        _search(model, sample, d, None, candidates=candidates)
     assert seen and all(found == (0, 0) for found in seen)
 
 
@@ -192,9 +193,9 @@ def test_criterion_flag_passes_its_cache_and_refuses_other_relaxations():
             unused(model, sample)
         assert GRAPHS_UNUSED_WARNING.startswith("soft_beam_search: --soft-beam-cuda-graphs")
     problems = config_problems(SoftBeamSearchConfig(sentence_avg=False, soft_beam_cuda_graphs=True,
-                                                    soft_topk_method="perturbed"))
-    assert problems == ["--soft-beam-cuda-graphs needs --soft-topk-method ot (the others read their checks back "
-                        "or draw noise, which a CUDA graph cannot replay), got perturbed"]
+                                                    soft_beam_relaxation="perturbed"))
+    assert problems == ["--soft-beam-cuda-graphs needs --soft-beam-relaxation soft_topk (the others read their checks "
+                        "back or draw noise, which a CUDA graph cannot replay), got perturbed"]
 
 
 def test_capturable_lookup_is_the_embedding_lookup():

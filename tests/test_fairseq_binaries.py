@@ -1,5 +1,6 @@
 """End to end through fairseq's own command lines with ``--user-dir user_dir`` (like fairseq's
 tests/test_binaries.py): dummy data -> preprocess -> train a tiny model -> resume -> generate."""
+import dataclasses
 import os
 import re
 
@@ -45,9 +46,34 @@ def test_train_resume_generate(data_bin, tmp_path, arch):
     assert "BLEU" in out
 
 
-def test_train_help_lists_user_dir_components():
-    out = fairseq("train", "--user-dir", USER_DIR, "--help").stdout
-    assert "--user-dir" in out and "--criterion" in out
+def test_fairseq_train_knows_the_plugins_registrations_and_their_flags(data_bin):
+    """With ``--user-dir``, fairseq-train lists the plugin's criterion and schedule among its choices and takes
+    its architectures (a wrong ``--arch`` lists them all: --help does not), and fairseq's own parser takes every
+    flag of the criterion and of the top-k attention architectures; without it, none of them."""
+    from fairseq import options
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    import softtopk_fairseq.fairseq_plugin  # noqa: F401
+    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig
+    from softtopk_fairseq.models.topk_attention import TransformerTopkAttentionConfig
+
+    ours = sorted(name for name, cls in ARCH_MODEL_REGISTRY.items() if cls.__module__.startswith("softtopk_fairseq"))
+    assert {"rnnsearch", "transformer_topk_attn", "lstm_topk_attn", "rnnsearch_topk_attn"} <= set(ours)
+    help_text = fairseq("train", "--user-dir", USER_DIR, "--help").stdout
+    for name in ("soft_beam_search", "reduce_lr_on_plateau_resumable"):
+        assert re.search(rf"[{{,]{name}[,}}]", help_text), name
+    arches = fairseq("train", data_bin, "--user-dir", USER_DIR, "--arch", "none_such", check=False).stdout
+    for name in ours:
+        assert f"'{name}'" in arches, name
+    plain = fairseq("train", "--help").stdout
+    assert not any(name in plain for name in ("soft_beam_search", "topk_attn", "rnnsearch", "resumable"))
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(data_bin), "--user-dir", USER_DIR, "--criterion", "soft_beam_search", "--arch", "transformer_topk_attn",
+        "--soft-beam-relaxation", "perturbed", "--topk-attn-mode", "hard_topk"])
+    assert (args.soft_beam_relaxation, args.topk_attn_mode) == ("perturbed", "hard_topk")
+    for config in (SoftBeamSearchConfig, TransformerTopkAttentionConfig):
+        for f in dataclasses.fields(config):
+            assert f.name.startswith("_") or hasattr(args, f.name), f.name
 
 
 def test_user_dir_works_without_installing_package(tmp_path):

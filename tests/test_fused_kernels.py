@@ -119,15 +119,17 @@ def test_cpu_forward_computes_the_paper_temperature_it_solves_at(n, sorted):
     mask[6, 11] = True                                 # one valid entry
     mask[8] = False                                    # nothing valid
     x[36, :] = 0.5                                     # all equal (a row past the last full group)
-    for anchor_top in (1.0, 3.0):
-        got = backends.CPU.solve_paper(x, mask, anchor_top, 0.1, 4, sorted, 1e-6, 50, "newton")
+    for k in (1, 3):  # the paper scaling's top anchor: k sorted, 1 unsorted
+        opts = backends.SolveOptions(k, sorted, 1e-6, 50)
+        anchor_top = opts.anchor_top
+        got = backends.CPU.solve_paper(x, mask, 0.1, opts)
         eps, at, slope = backends.TORCH.paper_temperature(x, mask, anchor_top, 0.1)
         torch.testing.assert_close(got[2], eps)
         keep = torch.arange(37) != 8  # the empty row's index is arbitrary
         assert torch.equal(got[3][keep], at[keep])
         torch.testing.assert_close(got[4], slope)
         assert float(got[2][8]) == pytest.approx(0.1) and float(got[4][8]) == 0.0
-        out, info = backends.CPU.solve(x, mask, got[2], 4, sorted, 1e-6, 50, "newton")
+        out, info = backends.CPU.solve(x, mask, got[2], opts)
         assert torch.equal(got[0], out) and torch.equal(got[1], info)
 
 
@@ -579,7 +581,7 @@ def test_topk_attention_model_on_the_fused_backend_matches_the_torch_path(backen
     ni = {k: v.to(device) for k, v in batch(d)["net_input"].items()}
     results = []
     for b in (backend, "torch"):
-        model = build("transformer_topk_attn", d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode="soft",
+        model = build("transformer_topk_attn", d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode="soft_topk",
                       topk_attn_layers="encoder-decoder,decoder-self,encoder-self").to(device)
         out, _ = _forced(b, lambda: model(**ni))
         out.float().pow(2).mean().backward()

@@ -68,7 +68,7 @@ def test_soft_beam_search_trains_in_mixed_precision(device, regime, arch, tf_pas
 
 @pytest.mark.parametrize("device,regime", REGIMES)
 @pytest.mark.parametrize("arch", ["transformer_topk_attn", "lstm_topk_attn"])
-@pytest.mark.parametrize("mode", ["soft", "hard"])
+@pytest.mark.parametrize("mode", ["soft_topk", "hard_topk"])
 def test_topk_attention_trains_in_mixed_precision(device, regime, arch, mode):
     d = dictionary(12)
     extra = dict(topk_attn_k=2, topk_attn_mode=mode)
@@ -85,7 +85,8 @@ def _overflow_in_forward(projection):
         projection.bias.fill_(torch.inf)
 
 
-@pytest.mark.parametrize("setup", ["soft_beam_search-ot", "soft_beam_search-perturbed", "transformer_topk_attn-soft",
+@pytest.mark.parametrize("setup", ["soft_beam_search-soft_topk", "soft_beam_search-perturbed",
+                                   "transformer_topk_attn-soft_topk",
                                    "transformer_topk_attn-perturbed"])
 def test_a_forward_overflow_is_a_batch_fairseqs_loss_scaler_skips(setup):
     """A forward that overflows (float16's range is small) gives a non-finite gradient norm, which fairseq's
@@ -99,7 +100,7 @@ def test_a_forward_overflow_is_a_batch_fairseqs_loss_scaler_skips(setup):
         model = build("lstm", d, dtype=torch.float32)
         criterion = SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(
             sentence_avg=False, teacher_forcing_ratio=0.5, soft_beam_size=3, soft_beam_candidates=8,
-            soft_topk_method=method, perturbed_samples=4))
+            soft_beam_relaxation=method, soft_beam_samples=4))
         _overflow_in_forward(model.decoder.fc_out)
     else:
         model = build(name, d, dtype=torch.float32, topk_attn_k=2, topk_attn_mode=method,

@@ -28,7 +28,7 @@ def test_each_rnnsearch_architecture_fills_its_sizes_and_the_command_line_wins(t
     given = parse(tmp_path, arch, "--decoder-hidden-size", "7", "--dropout", "0.5")
     assert (given.decoder_hidden_size, given.dropout, given.attention_dim) == (7, 0.5, sizes[4])
     if "topk" in arch:  # the top-k attention flags' defaults, from their own dataclass
-        assert (args.topk_attn_k, args.topk_attn_mode) == (TopkAttentionConfig.topk_attn_k, "soft")
+        assert (args.topk_attn_k, args.topk_attn_mode) == (TopkAttentionConfig.topk_attn_k, "soft_topk")
 
 
 def test_the_paper_sizes_and_the_defaults_are_one_dataclass():

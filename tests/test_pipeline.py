@@ -54,10 +54,14 @@ def test_every_option_is_a_flag_with_its_config_default_shown_by_help(capsys):
                              "(default: 20000 500 500)", "(default: 0.001)", "(default: paper)",
                              "beam sizes to evaluate (default: 1 5)"):
         assert flag_and_default in shown
-    given = run.parse_args(["--workdir", "w", "--beams", "3", "7", "--lr", "0.5", "--soft-topk-scaling", "none"])
-    assert (given.beams, given.lr, given.soft_topk_scaling) == ([3, 7], 0.5, "none")
+    given = run.parse_args(["--workdir", "w", "--beams", "3", "7", "--lr", "0.5", "--soft-beam-scaling", "none"])
+    assert (given.beams, given.lr, given.soft_beam_scaling) == ([3, 7], 0.5, "none")
     with pytest.raises(SystemExit):
-        run.parse_args(["--soft-topk-scaling", "nats"])
+        run.parse_args(["--soft-beam-scaling", "nats"])
+    # the flags' names of version 0.1: the same option, with a warning
+    with pytest.warns(FutureWarning, match="--soft-topk-epsilon is the old name of --soft-beam-epsilon"):
+        old = run.parse_args(["--soft-topk-epsilon", "0.3", "--soft-topk-scaling", "none"])
+    assert (old.soft_beam_epsilon, old.soft_beam_scaling) == (0.3, "none")
 
 
 @pytest.mark.parametrize("bpe,arch", [("subword_nmt", "transformer"), ("sentencepiece", "lstm")])

@@ -47,18 +47,18 @@ def test_plot_attention_keeps_matplotlib_debug_lines_out(tmp_path, caplog):
 
     logging.getLogger().setLevel(logging.DEBUG)
     with caplog.at_level(logging.DEBUG):
-        plot_attention.plot({"softmax": torch.rand(3, 4), "soft": torch.rand(3, 4)}, list("abcd"), list("xyz"),
+        plot_attention.plot({"softmax": torch.rand(3, 4), "soft_topk": torch.rand(3, 4)}, list("abcd"), list("xyz"),
                             str(tmp_path / "a.png"))
     assert (tmp_path / "a.png").exists()
     assert not [r for r in caplog.records if r.name.startswith("matplotlib") and r.levelno < logging.WARNING]
 
 
 def test_plot_attention_draws_every_attention_mode(tmp_path):
-    """One panel per mode the layers have (modules.topk_attention.MODES), the perturbed one included."""
+    """One panel per mode the layers have (the attention's relaxations), the perturbed one included."""
     import torch
 
-    from softtopk_fairseq.modules.topk_attention import MODES
+    from softtopk_fairseq.modules import relaxations
     from softtopk_fairseq.tools import plot_attention
 
-    plot_attention.plot({mode: torch.rand(3, 4) for mode in MODES}, list("abcd"), list("xyz"), str(tmp_path / "a.png"))
+    plot_attention.plot({mode: torch.rand(3, 4) for mode in relaxations.names("attention")}, list("abcd"), list("xyz"), str(tmp_path / "a.png"))
     assert (tmp_path / "a.png").exists()

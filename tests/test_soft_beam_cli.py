@@ -47,12 +47,17 @@ def test_train_resume_generate(data_bin, tmp_path, arch):
 
 
 def test_perturbed_relaxation_trains_from_the_command_line(data_bin, tmp_path):
-    """--soft-topk-method perturbed with its flags: trains, logs L_SOFT and the pruned-mass bound, and the same
-    seed gives the same losses (the noise comes from fairseq's seeded generator)."""
-    extra = ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.2", "--perturbed-samples", "4"]
-    logs = [fairseq("train", *train_args(data_bin, tmp_path / f"p{i}", "lstm", 2, *extra)).stdout for i in range(2)]
+    """--soft-beam-relaxation perturbed with its flags: trains, logs L_SOFT and the pruned-mass bound, and the same
+    seed gives the same losses (the noise comes from fairseq's seeded generator) -- also when the flags are given
+    by their 0.1 names, which mean the same (with a warning)."""
+    new = ["--soft-beam-relaxation", "perturbed", "--soft-beam-epsilon", "0.2", "--soft-beam-samples", "4"]
+    old = ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.2", "--perturbed-samples", "4",
+           "--soft-topk-epsilon", "0.7"]  # (0.1 used --perturbed-sigma for this relaxation, not this one)
+    logs = [fairseq("train", *train_args(data_bin, tmp_path / f"p{i}", "lstm", 2, *extra)).stdout
+            for i, extra in enumerate((new, old))]
     assert len(losses(logs[0])) == 2 and losses(logs[0]) == losses(logs[1]), logs[0][-3000:]
-    assert "pruned_mass=" in logs[0] and "soft_topk_method='perturbed'" in logs[0]
+    assert "pruned_mass=" in logs[0] and "soft_beam_relaxation='perturbed'" in logs[0]
+    assert "--perturbed-sigma is the old name of --soft-beam-epsilon" in logs[1]
 
 
 def test_teacher_forcing_in_the_search_trains_from_the_command_line(data_bin, tmp_path):

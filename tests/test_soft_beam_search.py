@@ -9,13 +9,16 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.modules import LayerDropModuleList
 from fairseq.sequence_generator import SequenceGenerator
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
-from softtopk_fairseq.modules.soft_beam_search import OptimalTransport, Perturbed, SoftmaxKTimes, soft_beam_search
+from softtopk_fairseq.modules.relaxations import OptimalTransport, Perturbed, SoftmaxKTimes
+from softtopk_fairseq.modules.soft_beam_search import soft_beam_search
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
 from softtopk_fairseq.ops import soft_topk
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
 
 
 def run(model, sample, d, **kw):
+    """soft_beam_search on a sample; these tests give their temperatures in nats unless they say otherwise."""
+    kw.setdefault("scaling", "none")
     ni = sample["net_input"]
     return soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(),
                             eos=d.eos(), **kw)
@@ -122,7 +125,7 @@ def test_each_sentence_is_searched_as_if_alone(arch):
         for b, n in enumerate((4, 1, 6)):
             src = ni["src_tokens"][b][ni["src_tokens"][b].ne(d.pad())].unsqueeze(0)  # its own length, unpadded
             alone = soft_beam_search(model, src, torch.tensor([src.shape[1]]), sample["target"][b:b + 1, :n],
-                                     pad=d.pad(), eos=d.eos(), beam=3, epsilon=0.5, candidates=8)
+                                     pad=d.pad(), eos=d.eos(), beam=3, epsilon=0.5, scaling="none", candidates=8)
             assert torch.equal(together.hypotheses[b, :, :n], alone.hypotheses[0])
             assert bool((together.hypotheses[b, :, n:] == d.pad()).all())
             torch.testing.assert_close(together.nll[b], alone.nll[0], rtol=0, atol=1e-10)
@@ -213,10 +216,10 @@ def _finite_difference_check(model, loss_fn, n_params=6, h=1e-4):
 
 
 @pytest.mark.parametrize("options", [
-    dict(relaxation="ot", epsilon=0.5, scaling="none"),
-    dict(relaxation="ot", epsilon=0.5, scaling="none", candidates=10),
-    dict(relaxation="ot", epsilon=0.05, scaling="paper"),
-    dict(relaxation="ot", epsilon=0.05, scaling="paper", candidates=7),  # fewer than the live ones at step 0
+    dict(relaxation="soft_topk", epsilon=0.5, scaling="none"),
+    dict(relaxation="soft_topk", epsilon=0.5, scaling="none", candidates=10),
+    dict(relaxation="soft_topk", epsilon=0.05, scaling="paper"),
+    dict(relaxation="soft_topk", epsilon=0.05, scaling="paper", candidates=7),  # fewer than the live ones at step 0
     dict(relaxation="softmax_k_times", epsilon=0.5),
     dict(relaxation="softmax_k_times", epsilon=0.05, scaling="paper"),
 ])
@@ -227,7 +230,7 @@ def test_soft_loss_matches_finite_differences(options):
     _finite_difference_check(model, lambda: run(model, sample, d, beam=3, **options).nll.sum())
 
 
-@pytest.mark.parametrize("relaxation", ["ot", "softmax_k_times", "perturbed"])
+@pytest.mark.parametrize("relaxation", ["soft_topk", "softmax_k_times", "perturbed"])
 @pytest.mark.parametrize("candidates", [0, 10])
 def test_paper_scaling_gradients_are_finite_for_every_relaxation(relaxation, candidates):
     """Banned tokens and dead beams are -inf candidates at every step; under the paper scaling the temperature
@@ -245,7 +248,7 @@ def test_paper_scaling_gradients_are_finite_for_every_relaxation(relaxation, can
     assert sum(float(g.abs().sum()) for g in grads) > 0
 
 
-@pytest.mark.parametrize("relaxation", ["ot", "softmax_k_times", "perturbed"])
+@pytest.mark.parametrize("relaxation", ["soft_topk", "softmax_k_times", "perturbed"])
 @pytest.mark.parametrize("candidates", [0, 10])
 def test_a_sentence_whose_model_output_is_nan_gets_a_nan_loss_and_the_others_are_unchanged(relaxation, candidates):
     """NaN log-probabilities (a model output that went NaN, or overflowed float16) make that sentence's L_SOFT
@@ -279,8 +282,6 @@ def test_perturbed_soft_loss_with_fixed_noise_matches_finite_differences(monkeyp
     to 1e-5 (the step is far too small to change which candidate a sample picks). A's own gradient -- the
     Monte-Carlo Jacobian estimate -- is checked against the closed-form derivative of its expectation in
     tests/test_perturbed_topk.py; here it must only change the gradient, not break it."""
-    from softtopk_fairseq.modules import soft_beam_search as search_module
-
     class FixedA(Perturbed):
         def relax(self, kept):
             relaxed = super().relax(kept)
@@ -291,15 +292,15 @@ def test_perturbed_soft_loss_with_fixed_noise_matches_finite_differences(monkeyp
     sample = batch(d, bsz=2, tgt_lens=(4, 3))
     options = dict(beam=3, relaxation="perturbed", epsilon=0.5, scaling="paper", samples=8, candidates=10)
 
-    def loss():
+    def loss(**changed):
         torch.manual_seed(0)  # the op draws its noise seed from torch's generator: the same noise every call
-        return run(model, sample, d, **options).nll.sum()
+        return run(model, sample, d, **{**options, **changed}).nll.sum()
 
     model.zero_grad()
     loss().backward()
     full = [p.grad.clone() for p in model.parameters()]
-    monkeypatch.setitem(search_module.RELAXATIONS, "perturbed", FixedA)
-    _finite_difference_check(model, loss)
+    fixed_a = FixedA(3, 0.5, scaling="paper", samples=8)  # a relaxation object in place of a name
+    _finite_difference_check(model, lambda: loss(relaxation=fixed_a))
     fixed = [p.grad for p in model.parameters()]
     assert all(torch.isfinite(g).all() for g in full)
     assert any(not torch.allclose(a, b) for a, b in zip(full, fixed))  # A's Jacobian estimate contributes
@@ -327,7 +328,7 @@ def test_more_candidates_than_live_ones_is_finite():
     assert torch.isfinite(out.nll).all() and torch.isfinite(out.pruned_mass).all()
     out.nll.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    for relaxation in ("ot", "softmax_k_times"):
+    for relaxation in ("soft_topk", "softmax_k_times"):
         with torch.no_grad():
             out = run(model, batch(d), d, beam=3, epsilon=0.5, candidates=28, relaxation=relaxation)
         assert torch.isfinite(out.pruned_mass).all() and float(out.pruned_mass.min()) >= 0
@@ -347,7 +348,7 @@ def test_the_searchs_pruned_mass_is_the_sum_of_each_steps_bound(relaxation, monk
     monkeypatch.setattr(relaxation, "pruned_terms", recording)
     d = dictionary(20)
     sample = batch(d, bsz=3, tgt_lens=(4, 3, 6))
-    name = {OptimalTransport: "ot", SoftmaxKTimes: "softmax_k_times", Perturbed: "perturbed"}[relaxation]
+    name = {OptimalTransport: "soft_topk", SoftmaxKTimes: "softmax_k_times", Perturbed: "perturbed"}[relaxation]
     with torch.no_grad():
         out = run(build("lstm", d), sample, d, beam=3, epsilon=0.5, candidates=6, relaxation=name)
     assert len(per_step) == 5 and float(out.pruned_mass.min()) > 0  # T - 1 steps, each pruning something
@@ -434,13 +435,13 @@ def lstm_losses():
     sample = batch(d)
     task = TinyTask(d)
     tf, _, _ = _criterion(task, 1.0)(model, sample)
-    soft, _, soft_log = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    soft, _, soft_log = _criterion(task, 0.0, soft_beam_epsilon=0.5)(model, sample)
     return model, sample, task, tf, soft, soft_log
 
 
 def test_rho_mixes_the_two_losses(lstm_losses):
     model, sample, task, tf, soft, log0 = lstm_losses
-    mixed, size, log = _criterion(task, 0.8, soft_topk_epsilon=0.5)(model, sample)
+    mixed, size, log = _criterion(task, 0.8, soft_beam_epsilon=0.5)(model, sample)
     torch.testing.assert_close(mixed, 0.8 * tf + 0.2 * soft)
     assert size == sample["ntokens"]
     for key in ("loss", "nll_loss", "tf_loss", "soft_loss", "soft_topk_iters", "pruned_mass"):
@@ -460,9 +461,9 @@ def test_sum_mode_runs_the_encoder_once_for_both_losses(arch):
     calls = []
     model.encoder.register_forward_hook(lambda *args: calls.append(1))
     tf, _, _ = _criterion(task, 1.0)(model, sample)
-    soft, _, _ = _criterion(task, 0.0, soft_topk_epsilon=0.5)(model, sample)
+    soft, _, _ = _criterion(task, 0.0, soft_beam_epsilon=0.5)(model, sample)
     calls.clear()
-    shared_loss, shared_grads, log = _loss_and_grads(_criterion(task, 0.6, soft_topk_epsilon=0.5,
+    shared_loss, shared_grads, log = _loss_and_grads(_criterion(task, 0.6, soft_beam_epsilon=0.5,
                                                                report_accuracy=True), model, sample)
     assert len(calls) == 1
     assert log["total"] == sample["ntokens"] and 0 <= log["n_correct"] <= log["total"]  # --report-accuracy
@@ -474,7 +475,7 @@ def test_sum_mode_runs_the_encoder_once_for_both_losses(arch):
 
     model.__class__ = OwnForward
     calls.clear()
-    loss, grads, _ = _loss_and_grads(_criterion(task, 0.6, soft_topk_epsilon=0.5), model, sample)
+    loss, grads, _ = _loss_and_grads(_criterion(task, 0.6, soft_beam_epsilon=0.5), model, sample)
     assert len(calls) == 2
     torch.testing.assert_close(loss, shared_loss)
     for a, b in zip(grads, shared_grads):
@@ -529,7 +530,7 @@ def test_teacher_forcing_in_the_search_is_the_separate_pass_in_one_decoder_call_
     runs = {}
     for tf_pass in ("separate", "search", "auto"):
         calls.clear()
-        criterion = _criterion(task, 0.6, soft_topk_epsilon=0.5, teacher_forcing_pass=tf_pass, report_accuracy=True)
+        criterion = _criterion(task, 0.6, soft_beam_epsilon=0.5, teacher_forcing_pass=tf_pass, report_accuracy=True)
         runs[tf_pass] = (*_loss_and_grads(criterion, model, sample), len(calls))
     T = sample["target"].shape[1]
     (loss, grads, log, calls_search), (ref_loss, ref_grads, ref_log, calls_separate) = runs["search"], runs["separate"]
@@ -563,7 +564,7 @@ def test_layer_drop_is_drawn_once_per_criterion_call():
         for seed in range(8):
             torch.manual_seed(seed)
             calls.clear()
-            _criterion(task, rho, soft_topk_epsilon=0.5, teacher_forcing_pass=tf_pass)(model, sample)
+            _criterion(task, rho, soft_beam_epsilon=0.5, teacher_forcing_pass=tf_pass)(model, sample)
             seen.add(len(calls))
         assert seen == {0, runs}, (rho, tf_pass, seen)
     assert type(model.decoder.layers) is LayerDropModuleList and not hasattr(model.decoder.layers, "drawn")
@@ -571,7 +572,7 @@ def test_layer_drop_is_drawn_once_per_criterion_call():
 
 def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):
     model, sample, task, tf, soft, _ = lstm_losses
-    crit = _criterion(task, 0.7, soft_topk_epsilon=0.5, teacher_forcing_mode="sample")
+    crit = _criterion(task, 0.7, soft_beam_epsilon=0.5, teacher_forcing_mode="sample")
     torch.manual_seed(0)
     picks = []
     for _ in range(40):
@@ -584,12 +585,14 @@ def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):
 
 def test_criterion_rejects_bad_flags():
     task = TinyTask(dictionary(8))
-    for kw, match in ((dict(rho=1.5), "teacher-forcing-ratio"), (dict(rho=0.5, soft_topk_epsilon=0), "epsilon"),
+    for kw, match in ((dict(rho=1.5), "teacher-forcing-ratio"), (dict(rho=0.5, soft_beam_epsilon=0), "epsilon"),
                       (dict(rho=0.5, soft_beam_candidates=2), "candidates"),
                       (dict(rho=0.5, soft_beam_candidates=-1), r"--soft-beam-candidates must be 0 \(all\) or >="),
-                      (dict(rho=0.5, soft_topk_epsilon=float("inf")), "--soft-topk-epsilon must be a finite number"),
-                      (dict(rho=0.5, soft_topk_method="perturbed", perturbed_sigma=0), "perturbed-sigma"),
-                      (dict(rho=0.5, soft_topk_method="perturbed", perturbed_samples=0), "perturbed-samples")):
+                      (dict(rho=0.5, soft_beam_epsilon=float("inf")), "--soft-beam-epsilon must be a finite number"),
+                      (dict(rho=0.5, soft_beam_relaxation="perturbed", soft_beam_epsilon=0), "soft-beam-epsilon"),
+                      (dict(rho=0.5, soft_beam_relaxation="perturbed", soft_beam_samples=0), "soft-beam-samples"),
+                      (dict(rho=0.5, soft_beam_relaxation="hard_topk"), "--soft-beam-relaxation must be one of"),
+                      (dict(rho=0.5, soft_beam_scaling="nats"), "--soft-beam-scaling must be one of")):
         rho = kw.pop("rho")
         with pytest.raises(ValueError, match=match):
             _criterion(task, rho, **kw)
@@ -603,9 +606,9 @@ def test_criterion_defaults_are_the_config_fields():
     config = SoftBeamSearchConfig(sentence_avg=False)
     criterion = SoftBeamSearchCriterion(TinyTask(dictionary(8)), config)
     assert criterion.rho == config.teacher_forcing_ratio == 0.8 and not criterion.sample_mode
-    assert criterion.search_options == dict(beam=5, relaxation="ot", epsilon=0.1, scaling="paper", tol=None,
+    assert criterion.search_options == dict(beam=5, relaxation="soft_topk", epsilon=0.1, scaling="paper", tol=None,
                                             max_iter=None, candidates=0, bookkeeping="argmax",
-                                            samples=config.perturbed_samples)
+                                            samples=config.soft_beam_samples)
 
 
 def test_decoder_without_embed_tokens_is_a_clear_error():
@@ -629,12 +632,12 @@ def test_rows_capped_at_max_iter_are_logged_and_warned_about_once():
     model, sample, task = build("lstm", d, dtype=torch.float64), batch(d), TinyTask(d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither soft_topk's warning nor the criterion's
-        _, _, log = _criterion(task, 0.5, soft_topk_epsilon=0.5)(model, sample)
+        _, _, log = _criterion(task, 0.5, soft_beam_epsilon=0.5)(model, sample)
     assert log["soft_topk_capped"] == 0
     out = run(model, sample, d, beam=3, epsilon=0.05, max_iter=1)
     assert out.solver_capped.shape == out.solver_iterations.shape and int(out.solver_capped.sum()) > 0
     with pytest.warns(RuntimeWarning) as caught:
-        _, _, log = _criterion(task, 0.5, soft_topk_epsilon=0.05, soft_topk_max_iter=1)(model, sample)
+        _, _, log = _criterion(task, 0.5, soft_beam_epsilon=0.05, soft_topk_max_iter=1)(model, sample)
     assert [str(w.message) for w in caught] == [CAPPED_WARNING]  # not soft_topk's, once per step
     assert 0 < log["soft_topk_capped"] <= log["soft_sentence_steps"]  # rows: one per sentence and step
     with metrics.aggregate() as agg:

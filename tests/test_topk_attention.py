@@ -7,7 +7,8 @@ import torch
 from fairseq.models.lstm import AttentionLayer
 from fairseq.modules import MultiheadAttention
 from softtopk_fairseq.models.topk_attention import TopkAttentionLayer, TopkMultiheadAttention
-from softtopk_fairseq.modules.topk_attention import MODES, topk_attention_weights
+from softtopk_fairseq.modules import relaxations
+from softtopk_fairseq.modules.topk_attention import topk_attention_weights
 from tiny_models import batch, build, dictionary
 
 NEG = -torch.inf
@@ -15,7 +16,7 @@ NEG = -torch.inf
 
 # ------------------------------------------------------------------------------- the weights ----------
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", relaxations.names("attention"))
 def test_k_at_least_the_valid_keys_is_softmax(mode):
     torch.manual_seed(0)
     scores = torch.randn(4, 3, 6, dtype=torch.float64)
@@ -29,7 +30,7 @@ def test_k_at_least_the_valid_keys_is_softmax(mode):
 
 def test_hard_mode_keeps_exactly_the_top_k():
     scores = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0]])
-    w = topk_attention_weights(scores, 2, mode="hard")
+    w = topk_attention_weights(scores, 2, mode="hard_topk")
     want = torch.softmax(torch.tensor([[3.0, NEG, 2.0, NEG, NEG]]), -1)
     torch.testing.assert_close(w, want)
 
@@ -38,10 +39,10 @@ def test_soft_mode_concentrates_on_k_keys_and_tends_to_hard():
     torch.manual_seed(1)
     # Well-separated scores (gaps >= 0.25), so epsilon = 1e-3 is far below every gap.
     scores = torch.stack([torch.randperm(40) for _ in range(16)]).double() * 0.25
-    hard = topk_attention_weights(scores, 5, mode="hard")
-    soft = topk_attention_weights(scores, 5, mode="soft", epsilon=1e-3)
+    hard = topk_attention_weights(scores, 5, mode="hard_topk")
+    soft = topk_attention_weights(scores, 5, mode="soft_topk", epsilon=1e-3)
     torch.testing.assert_close(soft, hard, atol=1e-6, rtol=0)
-    smooth = topk_attention_weights(scores, 5, mode="soft", epsilon=0.5)
+    smooth = topk_attention_weights(scores, 5, mode="soft_topk", epsilon=0.5)
     top5 = torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(5, -1).indices, True)
     plain = torch.softmax(scores, -1)
     assert bool(((smooth * top5).sum(-1) > (plain * top5).sum(-1)).all())  # more mass on the top 5
@@ -52,7 +53,7 @@ def test_perturbed_mode_tends_to_hard_and_trains_in_every_arch():
     step with it (and eval with it) gives finite outputs and gradients on the attention parameters."""
     torch.manual_seed(3)
     scores = torch.stack([torch.randperm(40) for _ in range(8)]).double() * 0.25
-    hard = topk_attention_weights(scores, 5, mode="hard")
+    hard = topk_attention_weights(scores, 5, mode="hard_topk")
     torch.testing.assert_close(topk_attention_weights(scores, 5, mode="perturbed", epsilon=1e-4, samples=4),
                                hard, atol=1e-9, rtol=0)
     smooth = topk_attention_weights(scores, 5, mode="perturbed", epsilon=0.5, samples=64)
@@ -72,7 +73,7 @@ def test_perturbed_mode_tends_to_hard_and_trains_in_every_arch():
             assert torch.isfinite(model.eval()(**ni)[0]).all()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", relaxations.names("attention"))
 def test_masked_keys_get_zero_weight_and_zero_gradient_and_nothing_is_nan(mode):
     torch.manual_seed(2)
     scores = torch.randn(5, 10, dtype=torch.float64, requires_grad=True)
@@ -88,7 +89,7 @@ def test_masked_keys_get_zero_weight_and_zero_gradient_and_nothing_is_nan(mode):
     assert torch.isfinite(scores.grad).all() and float(scores.grad[mask].abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", relaxations.names("attention"))
 @pytest.mark.parametrize("dim", [-1, 0])
 def test_a_row_with_a_nan_or_plus_inf_score_gets_nan_weights_in_every_mode_and_the_others_do_not_change(mode, dim):
     """As torch.softmax gives (and fairseq's trainer expects from a float16 overflow of q.k): NaN weights on
@@ -122,13 +123,13 @@ def test_soft_weights_gradcheck():
     scores = torch.randn(3, 7, dtype=torch.float64)
     scores[0, 5:] = NEG
     scores.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda s: topk_attention_weights(s, 3, mode="soft", epsilon=0.3), (scores,))
+    assert torch.autograd.gradcheck(lambda s: topk_attention_weights(s, 3, mode="soft_topk", epsilon=0.3), (scores,))
 
 
 def test_far_keys_do_not_make_nan_gradients():
     """A key far below the top k has A ~ 0 in float32; log A is floored, so no inf * 0."""
     scores = torch.tensor([[10.0, 9.0, 8.0, -200.0, -1e4]], requires_grad=True)
-    w = topk_attention_weights(scores, 2, mode="soft", epsilon=0.01)
+    w = topk_attention_weights(scores, 2, mode="soft_topk", epsilon=0.01)
     w[0, 0].backward()
     assert torch.isfinite(scores.grad).all() and torch.isfinite(w).all()
 
@@ -146,9 +147,9 @@ def test_multihead_attention_in_softmax_mode_equals_fairseq():
     b, wb = topk(q, kv, kv, key_padding_mask=pad, static_kv=True)
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(wa, wb)
-    topk.configure_topk(6, 0.1, "soft", "same")  # k >= number of keys: softmax again
+    topk.configure_topk(6, 0.1, "soft_topk", "same")  # k >= number of keys: softmax again
     torch.testing.assert_close(topk(q, kv, kv, key_padding_mask=pad, static_kv=True)[0], a)
-    topk.configure_topk(2, 0.1, "hard", "same")
+    topk.configure_topk(2, 0.1, "hard_topk", "same")
     _, w = topk(q, kv, kv, key_padding_mask=pad, static_kv=True)
     assert int((w[:, 0] > 0).sum(-1).max()) <= 2 * 2  # head-averaged: at most k keys per head
 
@@ -162,22 +163,22 @@ def test_lstm_attention_layer_in_softmax_mode_equals_fairseq_and_hard_selects_k(
     pad[3:, 1] = True
     for got, want in zip(topk(x, src, pad), stock(x, src, pad)):
         torch.testing.assert_close(got, want)
-    topk.configure_topk(2, 0.1, "hard", "same")
+    topk.configure_topk(2, 0.1, "hard_topk", "same")
     _, w = topk(x, src, pad)
     w = w.detach()
     assert (w > 0).sum(0).tolist() == [2, 2, 2] and float(w[pad].abs().max()) == 0.0
 
 
 def test_inference_mode_switches_only_in_eval():
-    layer = TopkAttentionLayer.convert(AttentionLayer(4, 4, 4), k=2, epsilon=0.1, mode="soft", inference="hard")
-    assert layer.train().active_topk_mode == "soft" and layer.eval().active_topk_mode == "hard"
-    layer.configure_topk(2, 0.1, "soft", "same")
-    assert layer.eval().active_topk_mode == "soft"
+    layer = TopkAttentionLayer.convert(AttentionLayer(4, 4, 4), k=2, epsilon=0.1, mode="soft_topk", inference="hard_topk")
+    assert layer.train().active_topk_mode == "soft_topk" and layer.eval().active_topk_mode == "hard_topk"
+    layer.configure_topk(2, 0.1, "soft_topk", "same")
+    assert layer.eval().active_topk_mode == "soft_topk"
     with pytest.raises(ValueError, match="top-k attention: --topk-attn-k must be >= 1, got 0"):
-        layer.configure_topk(0, 0.1, "soft", "same")
+        layer.configure_topk(0, 0.1, "soft_topk", "same")
     with pytest.raises(ValueError, match=r"--topk-attn-inference must be one of .*, got 'sparse'; "
                                          r"--topk-attn-epsilon must be a finite number > 0, got inf"):
-        layer.configure_topk(2, float("inf"), "soft", "sparse")
+        layer.configure_topk(2, float("inf"), "soft_topk", "sparse")
 
 
 # --------------------------------------------------------------------- incremental == full forward ----
@@ -187,7 +188,7 @@ def test_inference_mode_switches_only_in_eval():
     ("lstm_topk_attn", dict(topk_attn_k=2)),
     ("rnnsearch_topk_attn", dict(topk_attn_k=2)),
 ])
-@pytest.mark.parametrize("mode", ["soft", "hard"])
+@pytest.mark.parametrize("mode", ["soft_topk", "hard_topk"])
 def test_incremental_decoding_equals_full_forward(arch, extra, mode):
     d = dictionary(12)
     model = build(arch, d, topk_attn_mode=mode, **extra).eval()
@@ -221,16 +222,16 @@ def test_flags_come_from_the_config_and_absent_ones_get_its_defaults(arch):
     config = TransformerTopkAttentionConfig if arch.startswith("transformer") else TopkAttentionConfig
     parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)  # as fairseq's model-flag group
     ARCH_MODEL_REGISTRY[arch].add_args(parser)
-    args = parser.parse_args(["--topk-attn-k", "3", "--topk-attn-mode", "hard"])
+    args = parser.parse_args(["--topk-attn-k", "3", "--topk-attn-mode", "hard_topk"])
     given = {name: value for name, value in vars(args).items() if name.startswith("topk_attn")}
-    assert given == {"topk_attn_k": 3, "topk_attn_mode": "hard"}  # no parser defaults: the arch sets them
+    assert given == {"topk_attn_k": 3, "topk_attn_mode": "hard_topk"}  # no parser defaults: the arch sets them
     ARCH_CONFIG_REGISTRY[arch](args)
     want = {f.name: f.default for f in fields(config) if not f.name.startswith("_")}  # _name: fairseq's, no flag
     assert not hasattr(args, "_name")
-    assert {name: getattr(args, name) for name in want} == {**want, "topk_attn_k": 3, "topk_attn_mode": "hard"}
+    assert {name: getattr(args, name) for name in want} == {**want, "topk_attn_k": 3, "topk_attn_mode": "hard_topk"}
     assert (arch == "transformer_topk_attn") == hasattr(args, "topk_attn_layers")
     with pytest.raises(SystemExit):
         parser.parse_args(["--topk-attn-inference", "bogus"])
-    saved = argparse.Namespace(topk_attn_k=2, topk_attn_epsilon=0.5, topk_attn_mode="soft", topk_attn_inference="same")
+    saved = argparse.Namespace(topk_attn_k=2, topk_attn_epsilon=0.5, topk_attn_mode="soft_topk", topk_attn_inference="same")
     ARCH_CONFIG_REGISTRY[arch](saved)  # an older checkpoint's arguments, without --topk-attn-samples
     assert saved.topk_attn_samples == TopkAttentionConfig.topk_attn_samples and saved.topk_attn_epsilon == 0.5

@@ -24,7 +24,7 @@ def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
     common = [toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--path", save / "checkpoint_last.pt",
               "--gen-subset", "test", "--beam", "3", "--batch-size", "5", "--max-len-b", "20",
               "--required-batch-size-multiple", "1", "--print-alignment"]
-    for overrides in (None, "{'topk_attn_inference': 'hard'}", "{'topk_attn_inference': 'softmax'}"):
+    for overrides in (None, "{'topk_attn_inference': 'hard_topk'}", "{'topk_attn_inference': 'softmax'}"):
         extra = ["--model-overrides", overrides] if overrides else []
         out = fairseq("generate", *common, *extra).stdout
         assert sorted(map(int, re.findall(r"^H-(\d+)\t", out, flags=re.M))) == list(range(12)), out[-3000:]
@@ -45,9 +45,9 @@ def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
         png = tmp_path / "attention.png"
         maps = plot_attention.main(["--path", str(save / "checkpoint_last.pt"), "--data", str(toy_data_bin),
                                     "--subset", "test", "--index", "2", "--out", str(png)])
-        assert png.stat().st_size > 1000 and set(maps) == {"softmax", "soft", "hard"}
+        assert png.stat().st_size > 1000 and set(maps) == {"softmax", "soft_topk", "hard_topk"}
         for weights in maps.values():
             torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[0]))
         # hard top-k, head-averaged over 2 heads: at most 2 * k = 6 keys per query
-        assert int((maps["hard"] > 0).sum(-1).max()) <= 6
-        assert not torch.equal(maps["soft"], maps["softmax"])
+        assert int((maps["hard_topk"] > 0).sum(-1).max()) <= 6
+        assert not torch.equal(maps["soft_topk"], maps["softmax"])

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from softtopk_fairseq.ops import triton_kernels as tk
-from softtopk_fairseq.ops.launch import STATUS_BITS
+from softtopk_fairseq.ops.kernel_interface import REFUSAL_BITS
 from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
@@ -32,7 +32,7 @@ UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i
         "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32"}
 TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
         "n": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
-STATUS = {"SATURATION": SATURATION, **STATUS_BITS}
+STATUS = {"SATURATION": SATURATION, **REFUSAL_BITS}
 KERNELS = (  # kernel, signature, its flag (or None), constexprs
     (tk.soft_topk_forward_kernel, FWD, "PAPER", {**KERNEL_CONSTANTS, **STATUS, "MP": 8}),
     (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {**BACKWARD_KERNEL_CONSTANTS, "MP": 8}),

@@ -96,13 +96,13 @@ def test_local_sgm_valid_and_test_files_are_read_as_segments(tmp_path):
            '<doc docid="d2">\n<seg id="3">fin</seg>\n</doc>\n</refset>\n')
     (tmp_path / "news.en").write_text(doc.replace("refset", "srcset"), encoding="utf-8")
     (tmp_path / "news.fr.sgm").write_text(doc, encoding="utf-8")
-    prefix = prepare.local_split(str(tmp_path / "news"), "test", str(tmp_path / "raw"))
+    prefix = prepare.local_split(str(tmp_path / "news"), "test", str(tmp_path / "raw"), ("en", "fr"))
     assert prefix == str(tmp_path / "raw" / "test")
     assert text.read_lines(prefix + ".fr") == ["Le chat & le chien", "l'homme", "fin"]
     assert len(text.read_lines(prefix + ".en")) == 3
     text.write_lines(tmp_path / "plain.en", ["a", "b"])
     text.write_lines(tmp_path / "plain.fr", ["c", "d"])
-    assert prepare.local_split(str(tmp_path / "plain"), "valid", str(tmp_path / "raw")) == str(tmp_path / "plain")
+    assert prepare.local_split(str(tmp_path / "plain"), "valid", str(tmp_path / "raw"), ("en", "fr")) == str(tmp_path / "plain")
 
 
 def test_prepare_rejects_mixed_or_missing_sources():

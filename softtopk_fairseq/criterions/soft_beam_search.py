@@ -27,8 +27,8 @@ With ``--teacher-forcing-pass search`` those models' ``L_tf`` comes from the bea
 each step decodes one teacher-forced row per sentence beside its ``k`` beams (fed the gold prefix, its state
 never mixed), so one decoder call per step serves both losses instead of a second decoder pass -- fairseq's
 incremental decoding computes what its full pass does (tested: the same loss and gradients without dropout).
-On a GPU, where an update is bound by kernel launches, that removes the teacher-forcing pass's launches (27 %
-of an LSTM update's operations, counted); on a CPU, bound by arithmetic, it is no faster (docs/results.md).
+On a GPU, where an update is bound by kernel launches, that removes the teacher-forcing pass's launches; on a
+CPU, bound by arithmetic, it is no faster.
 ``separate`` runs the decoder's full teacher-forcing pass as ``label_smoothed_cross_entropy`` does; ``auto``
 (the default) is ``search`` for CUDA batches and ``separate`` otherwise.
 """
@@ -46,14 +46,13 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.dataclass import ChoiceEnum
-from fairseq.models import FairseqEncoderDecoderModel
-from fairseq.models.lstm import LSTMModel
-from fairseq.models.transformer import TransformerModelBase
-from fairseq.modules import LayerDropModuleList
 
+from softtopk_fairseq import defaults
+from softtopk_fairseq.criterions.wrapped_model import (encoder_then_decoder, layer_drop_drawn_once,
+                                                      run_inside_ddp_forward)
+from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
-from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, PERTURBED_SAMPLES, RELAXATIONS,
-                                                       search_option_problems, soft_beam_search)
+from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, USE, search_option_problems, soft_beam_search
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
@@ -69,7 +68,8 @@ GRAPHS_UNUSED_WARNING = ("soft_beam_search: --soft-beam-cuda-graphs captured not
 @dataclass
 class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
     teacher_forcing_ratio: float = field(
-        default=0.8, metadata={"help": "rho in L = rho * L_tf + (1 - rho) * L_SOFT (1 = teacher forcing only)"})
+        default=defaults.TEACHER_FORCING_RATIO,
+        metadata={"help": "rho in L = rho * L_tf + (1 - rho) * L_SOFT (1 = teacher forcing only)"})
     teacher_forcing_pass: ChoiceEnum(TEACHER_FORCING_PASSES) = field(
         default="auto", metadata={"help": "where --teacher-forcing-mode sum computes L_tf: 'search' decodes one "
                                           "teacher-forced row per sentence in the beam search's own decoder steps "
@@ -82,118 +82,101 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
         default="sum", metadata={"help": "'sum': both losses on every batch, weighted (the paper); 'sample': each "
                                          "batch uses L_tf with probability rho, else L_SOFT -- the same "
                                          "objective in expectation at a fraction of the cost"})
-    soft_beam_size: int = field(default=5, metadata={"help": "beam size k of the beam search run in training"})
-    soft_topk_method: ChoiceEnum(list(RELAXATIONS)) = field(
-        default="ot", metadata={"help": "relaxed top-k: 'ot' (sorted SOFT top-k), 'softmax_k_times' (k successive "
-                                        "softmaxes, the Goyal et al. 2018 style baseline) or 'perturbed' (the "
-                                        "hard top-k under Gaussian noise, Berthet et al. 2020; "
-                                        "--perturbed-sigma, --perturbed-samples)"})
-    soft_topk_epsilon: float = field(
-        default=0.1, metadata={"help": "temperature of 'ot' and 'softmax_k_times': the paper's normalised "
-                                       "epsilon with --soft-topk-scaling paper; in nats with 'none'"})
-    perturbed_sigma: float = field(
-        default=0.1, metadata={"help": "noise scale of --soft-topk-method perturbed, in the units of "
-                                       "--soft-topk-epsilon (normalised per sentence like the OT temperature "
-                                       "with --soft-topk-scaling paper; nats with 'none')"})
-    perturbed_samples: int = field(
-        default=PERTURBED_SAMPLES, metadata={"help": "Gaussian draws per decoding step of --soft-topk-method "
-                                                     "perturbed (the gradient's variance falls as 1/samples)"})
-    soft_topk_scaling: ChoiceEnum(SCALINGS) = field(
-        default="paper", metadata={"help": "'paper' (default, the paper's setting) divides the OT cost by its "
-                                           "per-sentence maximum like the authors' code: temperature = epsilon * "
-                                           "max cost / 2, tens of nats for typical scores; 'none': epsilon in nats "
-                                           "(small values give very large gradients, see docs/results.md)"})
+    soft_beam_size: int = field(default=defaults.BEAM, metadata={"help": "beam size k of the beam search run in "
+                                                                         "training"})
+    soft_beam_relaxation: ChoiceEnum(relaxations.names(USE)) = field(
+        default=defaults.SEARCH_RELAXATION,
+        metadata={"help": "the relaxed top-k: 'soft_topk' (sorted SOFT top-k), 'softmax_k_times' (k successive "
+                          "softmaxes, the Goyal et al. 2018 style baseline) or 'perturbed' (the hard top-k under "
+                          "Gaussian noise, Berthet et al. 2020)"})
+    soft_beam_epsilon: float = field(
+        default=defaults.EPSILON,
+        metadata={"help": "the relaxation's smoothing scale -- its temperature, the noise's standard deviation for "
+                          "'perturbed' --: the paper's normalised epsilon with --soft-beam-scaling paper, in nats "
+                          "with 'none'"})
+    soft_beam_scaling: ChoiceEnum(SCALINGS) = field(
+        default=defaults.SEARCH_SCALING,
+        metadata={"help": "'paper' (the paper's setting) divides the OT cost by its per-sentence maximum like the "
+                          "authors' code: temperature = epsilon * max cost / 2; 'none': epsilon in nats of "
+                          "log-likelihood (small values give very large gradients)"})
+    soft_beam_samples: int = field(
+        default=defaults.PERTURBED_SAMPLES,
+        metadata={"help": "Gaussian draws per decoding step of --soft-beam-relaxation perturbed (the gradient's "
+                          "variance falls as 1/samples)"})
     soft_topk_tol: Optional[float] = field(
         default=None, metadata={"help": "marginal tolerance of the OT solver (default: soft_topk's)"})
     soft_topk_max_iter: Optional[int] = field(
         default=None, metadata={"help": "iteration cap of the OT solver (default: soft_topk's)"})
     soft_beam_bookkeeping: ChoiceEnum(BOOKKEEPING) = field(
-        default="argmax", metadata={"help": "which candidate beam l continues: 'argmax' of its soft top-k column "
-                                            "(the paper, App. I.2; smooth columns can share it: duplicate beams) "
-                                            "or 'topk', the l-th best candidate (always k distinct beams)"})
+        default=defaults.BOOKKEEPING,
+        metadata={"help": "which candidate beam l continues: 'argmax' of its soft top-k column (the paper, App. "
+                          "I.2; smooth columns can share it: duplicate beams) or 'topk', the l-th best candidate "
+                          "(always k distinct beams)"})
     soft_beam_candidates: int = field(
-        default=0, metadata={"help": "keep only the best M of the k*V candidates per sentence before the "
-                                     "relaxed top-k (0 = all, exact). Logged as pruned_mass: an upper bound, out "
-                                     "of k (the total rank mass), on the rank mass the pruned candidates would "
-                                     "get, per sentence and step -- a value near k (e.g. 5 at beam 5) means no "
-                                     "guarantee, not that all mass was pruned"})
+        default=defaults.CANDIDATES,
+        metadata={"help": "keep only the best M of the k*V candidates per sentence before the relaxed top-k (0 = "
+                          "all, exact). Logged as pruned_mass: an upper bound, out of k (the total rank mass), on "
+                          "the rank mass the pruned candidates would get, per sentence and step -- a value near k "
+                          "(e.g. 5 at beam 5) means no guarantee, not that all mass was pruned"})
     soft_beam_cuda_graphs: bool = field(
         default=False, metadata={"help": "run each decoding step's work between two decoder calls (candidates, "
                                          "relaxed top-k, bookkeeping, state mixing, soft inputs) as CUDA graphs: "
-                                         "a few kernel launches per step instead of ~64, for a GPU, where a soft "
-                                         "beam-search update is bound by launching them (the LSTM benchmark on an "
-                                         "H200: 2.7x teacher forcing's update time instead of 3.4x; "
-                                         "docs/results.md). Needs --soft-topk-method ot; used on CUDA batches "
-                                         "outside --amp. Each new batch size is captured once (a synchronisation "
-                                         "and two extra runs) and keeps its buffers, a few times sentences x beam "
-                                         "x vocabulary floats, on the GPU"})
+                                         "a few kernel launches per step instead of dozens, for a GPU, where a soft "
+                                         "beam-search update is bound by launching them. Needs "
+                                         "--soft-beam-relaxation soft_topk; used on CUDA batches outside --amp. "
+                                         "Each new batch size is captured once (a synchronisation and two extra "
+                                         "runs) and keeps its buffers, a few times sentences x beam x vocabulary "
+                                         "floats, on the GPU"})
+    # The flags of version 0.1, kept as aliases (upgrade_config).
+    soft_topk_method: Optional[str] = field(
+        default=None, metadata={"help": "old name of --soft-beam-relaxation (its 'ot' is 'soft_topk')"})
+    soft_topk_epsilon: Optional[float] = field(
+        default=None, metadata={"help": "old name of --soft-beam-epsilon (for every relaxation but 'perturbed')"})
+    perturbed_sigma: Optional[float] = field(
+        default=None, metadata={"help": "old name of --soft-beam-epsilon (for --soft-beam-relaxation perturbed)"})
+    perturbed_samples: Optional[int] = field(
+        default=None, metadata={"help": "old name of --soft-beam-samples"})
+    soft_topk_scaling: Optional[str] = field(
+        default=None, metadata={"help": "old name of --soft-beam-scaling"})
 
 
-def _ddp_wrapper(model):
-    """The torch DistributedDataParallel wrapping ``model`` (fairseq: ``ModuleProxyWrapper(DDP(model))``), or
-    None."""
-    seen = model
-    while seen is not None:
-        if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
-            return seen
-        seen = getattr(seen, "module", None) if isinstance(seen, torch.nn.Module) else None
-    return None
+# Version 0.1's flags (fields) -> the flags that replaced them.
+FLAG_ALIASES = {"soft_topk_method": "soft_beam_relaxation", "soft_topk_epsilon": "soft_beam_epsilon",
+                "perturbed_sigma": "soft_beam_epsilon", "perturbed_samples": "soft_beam_samples",
+                "soft_topk_scaling": "soft_beam_scaling"}
+_warned_flags = set()
 
 
-# fairseq's own forwards that are "the encoder, then the decoder on its output": for models using one of them,
-# `sum` mode computes both losses from one encoder pass. Other models keep their own forward for L_tf.
-ENCODER_THEN_DECODER = (FairseqEncoderDecoderModel.forward, TransformerModelBase.forward, LSTMModel.forward)
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
-def _encoder_then_decoder(model) -> bool:
-    """Whether ``model`` (inside any DDP / fairseq wrappers) runs one of the :data:`ENCODER_THEN_DECODER`
-    forwards."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return type(model).forward in ENCODER_THEN_DECODER
-
-
-def run_inside_ddp_forward(model, fn):
-    """``fn(inner_model)``, run through the DistributedDataParallel wrapper's ``forward`` when there is one,
-    so that DDP prepares its gradient reduction for this iteration (it only does in an iteration where its
-    own forward ran); ``fn(model)`` otherwise. The inner module's ``forward`` is replaced for that one call."""
-    ddp = _ddp_wrapper(model)
-    if ddp is None:
-        return fn(model)
-    inner = ddp.module
-    inner.forward = lambda: fn(inner)  # an instance attribute: DDP's self.module(...) calls it
-    try:
-        return ddp()
-    finally:
-        del inner.forward
-
-
-class _LayerDropDrawn(LayerDropModuleList):
-    """A :class:`LayerDropModuleList` whose layers were drawn once (:func:`layer_drop_drawn_once`)."""
-
-    drawn: List[torch.nn.Module]
-
-    def __iter__(self):
-        return iter(self.drawn)
-
-
-@contextlib.contextmanager
-def layer_drop_drawn_once(model):
-    """fairseq's LayerDrop (``--encoder-layerdrop`` / ``--decoder-layerdrop``) draws which layers run each time
-    a layer list is iterated: once per teacher-forcing pass, but once per *decoding step* in the beam search --
-    where a layer skipped at some steps would miss those positions in its cached keys and values, and the beams
-    would run a different network at every step. Inside this context every list of ``model`` in training keeps
-    one draw, so the whole criterion call (both losses) runs one sub-network, as a teacher-forcing pass does."""
-    lists = [m for m in model.modules() if type(m) is LayerDropModuleList and m.training and m.p > 0]
-    for layers in lists:
-        drawn = list(LayerDropModuleList.__iter__(layers))
-        layers.__class__, layers.drawn = _LayerDropDrawn, drawn
-    try:
-        yield
-    finally:
-        for layers in lists:
-            layers.__class__ = LayerDropModuleList
-            del layers.drawn
+def upgrade_config(cfg: SoftBeamSearchConfig) -> SoftBeamSearchConfig:
+    """``cfg`` (in place) with version 0.1's flags moved into the ones that replaced them (:data:`FLAG_ALIASES`),
+    each with a one-time ``FutureWarning``: a command line, or a checkpoint's saved criterion config, of 0.1 means
+    what it meant. 0.1 took the perturbed top-k's noise from ``--perturbed-sigma`` and every other relaxation's
+    temperature from ``--soft-topk-epsilon``: the one that applies to the relaxation is used. An old flag that
+    contradicts its replacement given with another value than its default raises."""
+    given = {old: getattr(cfg, old, None) for old in FLAG_ALIASES if getattr(cfg, old, None) is not None}
+    for old in given:
+        if old not in _warned_flags:
+            _warned_flags.add(old)
+            warnings.warn(f"soft_beam_search: {_flag(old)} is the old name of {_flag(FLAG_ALIASES[old])}; it will "
+                          "be removed", FutureWarning, stacklevel=2)
+    if "soft_topk_method" in given:
+        given["soft_topk_method"] = relaxations.resolve(given["soft_topk_method"], USE, "--soft-topk-method")
+    relaxation = str(given.get("soft_topk_method", cfg.soft_beam_relaxation))
+    unused = "soft_topk_epsilon" if relaxation == "perturbed" else "perturbed_sigma"
+    for old, value in given.items():
+        if old == unused:
+            continue  # (0.1 ignored it for this relaxation too)
+        new = FLAG_ALIASES[old]
+        current, default = getattr(cfg, new), SoftBeamSearchConfig.__dataclass_fields__[new].default
+        if str(current) != str(default) and str(current) != str(value):
+            raise ValueError(f"soft_beam_search: {_flag(old)} {value} contradicts {_flag(new)} {current}; give "
+                             f"{_flag(new)} alone")
+        setattr(cfg, new, value)
+    return cfg
 
 
 # The flags of soft_beam_search's beam and pruning arguments, for the rule they share (search_option_problems).
@@ -208,16 +191,20 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
     if not 0.0 <= cfg.teacher_forcing_ratio <= 1.0:
         problems.append(f"--teacher-forcing-ratio must be in [0, 1], got {cfg.teacher_forcing_ratio}")
     problems += search_option_problems(cfg.soft_beam_size, cfg.soft_beam_candidates, names=SEARCH_FLAGS)
-    for flag, value in (("--soft-topk-epsilon", cfg.soft_topk_epsilon), ("--perturbed-sigma", cfg.perturbed_sigma)):
-        if not (math.isfinite(value) and value > 0):
-            problems.append(f"{flag} must be a finite number > 0, got {value}")
-    if cfg.perturbed_samples < 1:
-        problems.append(f"--perturbed-samples must be >= 1, got {cfg.perturbed_samples}")
+    for flag, value, allowed in (("--soft-beam-relaxation", cfg.soft_beam_relaxation, relaxations.names(USE)),
+                                 ("--soft-beam-scaling", cfg.soft_beam_scaling, SCALINGS),
+                                 ("--soft-beam-bookkeeping", cfg.soft_beam_bookkeeping, BOOKKEEPING)):
+        if str(value) not in allowed:
+            problems.append(f"{flag} must be one of {allowed}, got {value!r}")
+    if not (math.isfinite(cfg.soft_beam_epsilon) and cfg.soft_beam_epsilon > 0):
+        problems.append(f"--soft-beam-epsilon must be a finite number > 0, got {cfg.soft_beam_epsilon}")
+    if cfg.soft_beam_samples < 1:
+        problems.append(f"--soft-beam-samples must be >= 1, got {cfg.soft_beam_samples}")
     if cfg.ignore_prefix_size > 0:
         problems.append(f"--ignore-prefix-size is not supported (must be 0), got {cfg.ignore_prefix_size}")
-    if cfg.soft_beam_cuda_graphs and str(cfg.soft_topk_method) != "ot":
-        problems.append(f"--soft-beam-cuda-graphs needs --soft-topk-method ot (the others read their checks back or "
-                        f"draw noise, which a CUDA graph cannot replay), got {cfg.soft_topk_method}")
+    if cfg.soft_beam_cuda_graphs and str(cfg.soft_beam_relaxation) != "soft_topk":
+        problems.append(f"--soft-beam-cuda-graphs needs --soft-beam-relaxation soft_topk (the others read their checks "
+                        f"back or draw noise, which a CUDA graph cannot replay), got {cfg.soft_beam_relaxation}")
     return problems
 
 
@@ -245,19 +232,18 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"soft_beam_search: sentence_avg must be True or False, got {cfg.sentence_avg!r} "
                              "(fairseq sets it from --sentence-avg; pass SoftBeamSearchConfig(sentence_avg=...))")
         super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size, cfg.report_accuracy)
+        upgrade_config(cfg)
         problems = config_problems(cfg)
         if problems:
             raise ValueError("soft_beam_search: " + "; ".join(problems))
         self.rho = cfg.teacher_forcing_ratio
         self.sample_mode = str(cfg.teacher_forcing_mode) == "sample"
         self.teacher_forcing_pass = str(cfg.teacher_forcing_pass)
-        method = str(cfg.soft_topk_method)
         self.search_options = dict(
-            beam=cfg.soft_beam_size, relaxation=method,
-            epsilon=cfg.perturbed_sigma if method == "perturbed" else cfg.soft_topk_epsilon,
-            scaling=str(cfg.soft_topk_scaling), tol=cfg.soft_topk_tol, max_iter=cfg.soft_topk_max_iter,
+            beam=cfg.soft_beam_size, relaxation=str(cfg.soft_beam_relaxation), epsilon=cfg.soft_beam_epsilon,
+            scaling=str(cfg.soft_beam_scaling), tol=cfg.soft_topk_tol, max_iter=cfg.soft_topk_max_iter,
             candidates=cfg.soft_beam_candidates, bookkeeping=str(cfg.soft_beam_bookkeeping),
-            samples=cfg.perturbed_samples)
+            samples=cfg.soft_beam_samples)
         # One cache for the run: each batch size's graphs are captured once (None: no graphs).
         self.graphs = GraphCache() if cfg.soft_beam_cuda_graphs else None
         self.graphs_unused_warned = False
@@ -300,7 +286,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
                                     pad=self.padding_idx, eos=self.eos, encoder_out=encoder_out,
                                     teacher_forcing=teacher_forcing, graphs=self.graphs, **self.search_options)
 
-        if use_tf and use_soft and _encoder_then_decoder(model):
+        if use_tf and use_soft and encoder_then_decoder(model):
             # Both losses from one encoder pass (and one dropout mask on it), inside DDP's forward; L_tf from the
             # search's teacher-forced rows, or from the decoder's own pass.
             in_search = self.teacher_forcing_pass == "search" or (self.teacher_forcing_pass == "auto"

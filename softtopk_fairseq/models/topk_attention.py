@@ -10,13 +10,17 @@ Flags (all architectures):
 
 * ``--topk-attn-k K`` keys per query, ``--topk-attn-epsilon`` SOFT top-k temperature (attention-logit units;
   the noise's standard deviation in ``perturbed`` mode), ``--topk-attn-samples`` perturbations per call;
-* ``--topk-attn-mode {soft,hard,softmax,perturbed}`` the weights used in training: SOFT top-k, hard top-k
-  (Explicit Sparse Transformer), plain softmax, or the perturbed top-k -- one model definition for every row
-  of a comparison;
-* ``--topk-attn-inference {same,soft,hard,softmax,perturbed}`` the weights in eval mode (``fairseq-generate``;
-  override a checkpoint's with ``--model-overrides "{'topk_attn_inference': 'hard'}"``);
+* ``--topk-attn-mode {soft_topk,hard_topk,softmax,perturbed}`` the weights used in training: SOFT top-k, hard
+  top-k (Explicit Sparse Transformer), plain softmax, or the perturbed top-k
+  (:mod:`~softtopk_fairseq.modules.relaxations`) -- one model definition for every row of a comparison;
+* ``--topk-attn-inference {same,soft_topk,hard_topk,softmax,perturbed}`` the weights in eval mode
+  (``fairseq-generate``; override a checkpoint's with ``--model-overrides "{'topk_attn_inference': 'hard_topk'}"``);
 * transformer only: ``--topk-attn-layers`` which attentions use it, a comma list of ``encoder-decoder``
   (default), ``decoder-self``, ``encoder-self``.
+
+Checkpoints of earlier versions, whose saved arguments name the modes ``soft`` and ``hard``, load unchanged:
+:func:`upgrade_args` renames them when the model is built (with a one-time ``FutureWarning``), as it does the
+same spellings on a command line.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,11 +37,13 @@ from fairseq.models.transformer import (transformer_iwslt_de_en, transformer_vas
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
+from softtopk_fairseq import defaults
 from softtopk_fairseq.models.flags import add_flags, register_architectures
 from softtopk_fairseq.models.rnnsearch import RNNSearchModel
 from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
 from softtopk_fairseq.models.rnnsearch import rnnsearch_wmt14_en_fr
-from softtopk_fairseq.modules.topk_attention import DEFAULT_SAMPLES, MODES, TopkAttentionMixin
+from softtopk_fairseq.modules import relaxations
+from softtopk_fairseq.modules.topk_attention import INFERENCE_SAME, USE, TopkAttentionMixin
 
 ATTENTION_KINDS = ("encoder-decoder", "decoder-self", "encoder-self")
 
@@ -48,7 +54,7 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
 
     @classmethod
     def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference,
-                samples=DEFAULT_SAMPLES) -> "TopkMultiheadAttention":
+                samples=defaults.PERTURBED_SAMPLES) -> "TopkMultiheadAttention":
         layer.__class__ = cls
         # PyTorch's fused attention would skip the scores; fairseq bypasses it when this flag is set.
         layer.skip_embed_dim_check = True
@@ -90,7 +96,7 @@ class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
 
     @classmethod
     def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference,
-                samples=DEFAULT_SAMPLES) -> "TopkAttentionLayer":
+                samples=defaults.PERTURBED_SAMPLES) -> "TopkAttentionLayer":
         layer.__class__ = cls
         return layer.configure_topk(k, epsilon, mode, inference, samples)
 
@@ -111,17 +117,18 @@ class TopkAttentionConfig(FairseqDataclass):
     (``add_args`` generates the flags from it; the architecture functions fill what a run or an older
     checkpoint's arguments lack)."""
 
-    topk_attn_k: int = field(default=8, metadata={"help": "keys each query attends to"})
+    topk_attn_k: int = field(default=defaults.TOPK_ATTN_K, metadata={"help": "keys each query attends to"})
     topk_attn_epsilon: float = field(
-        default=0.1, metadata={"help": "SOFT top-k temperature, in attention-logit units (the noise's standard "
-                                       "deviation with --topk-attn-mode perturbed)"})
+        default=defaults.EPSILON, metadata={"help": "SOFT top-k temperature, in attention-logit units (the noise's "
+                                                    "standard deviation with --topk-attn-mode perturbed)"})
     topk_attn_samples: int = field(
-        default=DEFAULT_SAMPLES, metadata={"help": "Gaussian perturbations per call with --topk-attn-mode "
-                                                   "perturbed"})
-    topk_attn_mode: ChoiceEnum(MODES) = field(default="soft", metadata={"help": "attention weights in training"})
-    topk_attn_inference: ChoiceEnum(MODES + ("same",)) = field(
-        default="same", metadata={"help": "attention weights in eval mode / fairseq-generate ('same' = as in "
-                                          "training)"})
+        default=defaults.PERTURBED_SAMPLES, metadata={"help": "Gaussian perturbations per call with "
+                                                              "--topk-attn-mode perturbed"})
+    topk_attn_mode: ChoiceEnum(relaxations.accepted_names(USE)) = field(
+        default=defaults.TOPK_ATTN_MODE, metadata={"help": "attention weights in training (old names: soft, hard)"})
+    topk_attn_inference: ChoiceEnum((INFERENCE_SAME,) + relaxations.accepted_names(USE)) = field(
+        default=defaults.TOPK_ATTN_INFERENCE, metadata={"help": "attention weights in eval mode / fairseq-generate "
+                                                                "('same' = as in training)"})
 
 
 @dataclass
@@ -131,7 +138,19 @@ class TransformerTopkAttentionConfig(TopkAttentionConfig):
                                                      f"{', '.join(ATTENTION_KINDS)}"})
 
 
+def upgrade_args(args) -> None:
+    """Saved or given arguments of an earlier version, in this one's terms: the modes' old names (``soft``,
+    ``hard``) renamed to the registry's (:data:`~softtopk_fairseq.modules.relaxations.ALIASES`), with a one-time
+    ``FutureWarning``. In place; what is current is left as it is."""
+    for flag in ("topk_attn_mode", "topk_attn_inference"):
+        value = str(getattr(args, flag))
+        if value in relaxations.ALIASES:
+            setattr(args, flag, relaxations.resolve(value, USE, "--" + flag.replace("_", "-")))
+
+
 def topk_options(args):
+    """The layers' options from the (upgraded) arguments."""
+    upgrade_args(args)
     return dict(k=args.topk_attn_k, epsilon=args.topk_attn_epsilon, mode=str(args.topk_attn_mode),
                 inference=str(args.topk_attn_inference), samples=args.topk_attn_samples)
 

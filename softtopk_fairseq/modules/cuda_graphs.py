@@ -1,8 +1,7 @@
 r"""A small function run forward and backward as two CUDA graphs, one pair per input shape: for work a GPU
 finishes in microseconds that the host needs dozens of kernel launches to issue -- the soft beam search's step
-between two decoder calls, ~64 launches per step on the LSTM benchmark (3,209 -> 2,254 per update, 3.44x -> 2.73x
-teacher forcing's time on an H200: docs/results.md) -- so that each call costs a few copies and one launch each
-way.
+between two decoder calls, dozens of launches per step -- so that each call costs a few copies and one launch
+each way.
 
 For ``out = fn(*inputs)`` (``out`` a pytree -- tuples, NamedTuples, None -- of tensors):
 

@@ -2,8 +2,8 @@ r"""Differentiable beam search through any fairseq incremental encoder-decoder (
 
 For each target position ``t`` the decoder runs one incremental step for the ``k`` beams of every sentence
 (a batch of ``bsz*k``, like fairseq's ``SequenceGenerator``). The candidate scores are the cumulative
-log-likelihoods of the ``k*V`` extensions; a sorted relaxed top-k (:func:`~softtopk_fairseq.ops.soft_topk`
-or softmax-k-times, or the perturbed top-k: :data:`RELAXATIONS`) gives ``A`` (candidates x ranks), and
+log-likelihoods of the ``k*V`` extensions; a sorted relaxed top-k (SOFT top-k, softmax-k-times or the perturbed
+top-k: :mod:`~softtopk_fairseq.modules.relaxations`) gives ``A`` (candidates x ranks), and
 
 * the next input of beam ``l`` is ``sum_c A[c, l] * embed(token(c))`` (eq. (9), via :class:`SoftTokenInput`),
 * the next state of beam ``l`` is ``sum_i W[l, i] * state_i`` with ``W[l, i] = sum_{c from beam i} A[c, l]``
@@ -22,23 +22,23 @@ Choices this implementation makes (documented, tested):
   ``-sum_t log p(y_t | beam at step t)``.
 * Pruning: with ``candidates = M < k*V`` only the ``M`` best candidates per sentence (hard top-M) enter the
   relaxed top-k. :attr:`SoftBeamOutput.pruned_mass` bounds, per sentence and step, the rank mass the pruned
-  candidates would receive (each relaxation's :meth:`Relaxation.pruned_mass`).
+  candidates would receive (each relaxation's
+  :meth:`~softtopk_fairseq.modules.relaxations.Relaxation.pruned_mass`).
 """
 import functools
-import math
-from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from softtopk_fairseq import defaults
+from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
+from softtopk_fairseq.modules.relaxations import Relaxation
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
-from softtopk_fairseq.ops import (BadScoresError, bad_score_rows, divide_by_temperature, effective_epsilon,
-                                  perturbed_topk, soft_topk, softmax_k_times)
-from softtopk_fairseq.ops.soft_topk import DEFAULT_MAX_ITER
 
+USE = "search"
 BOOKKEEPING = ("argmax", "topk")
-PERTURBED_SAMPLES = 16  # default Gaussian draws per step of the "perturbed" relaxation
 # How search_option_problems names the options: soft_beam_search's arguments (the criterion passes its flags).
 ARGUMENT_NAMES = {"beam": "beam", "candidates": "candidates"}
 
@@ -67,192 +67,6 @@ class SoftBeamOutput(NamedTuple):
     pruned_mass: Tensor        # (bsz,) sum over steps of the pruned-mass bound (0 without pruning)
     # (bsz, T, V) the teacher-forced rows' log-probabilities (differentiable); None without ``teacher_forcing``
     teacher_forced_lprobs: Optional[Tensor] = None
-
-
-class Relaxed(NamedTuple):
-    """What a :class:`Relaxation` computed for one step's kept candidate scores (rows, M)."""
-
-    A: Tensor                    # (rows, M, k) the relaxed sorted top-k
-    temperature: Tensor          # (rows,) the smoothing scale each row used (:meth:`Relaxation.temperature`; detached)
-    iterations: Optional[Tensor]  # (rows,) the solver's iterations (None without a solver)
-    error: Optional[Tensor]       # (rows,) its marginal error (None without a solver)
-    converged: Optional[Tensor] = None  # (rows,) whether it met its tolerance (None without a solver)
-
-
-class Relaxation:
-    """A relaxed sorted top-k of the candidate scores; the variants override :meth:`_relax`,
-    :meth:`pruned_terms` and :meth:`pruned_bound`. ``epsilon`` is the smoothing scale, per row through
-    :meth:`temperature`: in log-likelihood units with ``scaling="none"``, normalised per sentence with
-    ``"paper"``."""
-
-    def __init__(self, k: int, epsilon: float, scaling: str, *, tol: Optional[float] = None,
-                 max_iter: Optional[int] = None, samples: int = PERTURBED_SAMPLES):
-        self.k, self.epsilon, self.scaling = k, epsilon, scaling
-        self.tol, self.max_iter = tol, max_iter  # the OT solver's
-        self.samples = samples                   # the perturbed top-k's
-
-    def config(self) -> tuple:
-        """What the relaxation computes with (its class and options): a step's CUDA graphs are keyed by it."""
-        return (type(self).__name__, self.k, self.epsilon, self.scaling, self.tol, self.max_iter, self.samples)
-
-    def capturable(self) -> bool:
-        """Whether :meth:`relax` can run inside a CUDA graph (:mod:`~softtopk_fairseq.modules.cuda_graphs`): it
-        reads nothing back to the host, and gives the same result for the same scores (the graphs' backward runs
-        it again). Not by default: the others read their checks back, the perturbed top-k draws noise."""
-        return False
-
-    def temperature(self, scores: Tensor) -> Tensor:
-        """(rows,) the smoothing scale of each row (:func:`~softtopk_fairseq.ops.effective_epsilon`)."""
-        return effective_epsilon(scores, self.k, epsilon=self.epsilon, sorted=True, scaling=self.scaling)
-
-    def relax(self, kept: Tensor) -> Relaxed:
-        """The relaxation of the kept scores (-inf entries excluded). A row the operator refuses -- a NaN score,
-        from a model whose output went NaN or overflowed float16 -- gets a NaN ``A``, and so a NaN loss and
-        gradients, as fairseq's own criteria give: its trainer then skips the batch and lowers the loss scale
-        under ``--fp16`` / ``--amp``, or raises ``FloatingPointError`` with its NaN detector's report, where the
-        operator's error would end the run. Costs nothing while no row is bad: the operator's own check, and for
-        :class:`OptimalTransport` not even that (it asks ``soft_topk`` for NaN rows instead of an error)."""
-        try:
-            return self._relax(kept)
-        except BadScoresError:
-            bad = bad_score_rows(kept)  # (rows, 1)
-            relaxed = self._relax(torch.where(bad, 0.0, kept))
-            return relaxed._replace(A=torch.where(bad.unsqueeze(-1), torch.nan, relaxed.A))
-
-    def _relax(self, kept: Tensor) -> Relaxed:
-        """:meth:`relax` on scores the operator accepts."""
-        raise NotImplementedError
-
-    def pruned_mass(self, relaxed: Relaxed, kept: Tensor, rest: Tensor) -> Tensor:
-        """(rows,) an upper bound on the rank mass (out of ``k``) the pruned candidates ``rest`` (-inf where
-        kept; overwritten) would get. ``kept``: the kept scores, best first, ``relaxed`` their relaxation
-        (:meth:`relax`); called under ``torch.no_grad()``. The variants split it in two hooks:
-        :meth:`pruned_terms` and :meth:`pruned_bound`."""
-        return self.pruned_bound(*self.pruned_terms(relaxed, kept, rest))
-
-    def pruned_terms(self, relaxed: Relaxed, kept: Tensor, rest: Tensor) -> Tuple[Tensor, ...]:
-        """What :meth:`pruned_bound` needs of one step, each term (rows, ...): the reductions over the step's
-        pruned candidates. The search keeps them and bounds all its steps at once (stacked along a leading
-        dimension), a few operations per update instead of per step."""
-        raise NotImplementedError
-
-    def pruned_bound(self, *terms: Tensor) -> Tensor:
-        """The bound (leading dimensions, rows) from :meth:`pruned_terms`' terms (leading dimensions, rows, ...)."""
-        raise NotImplementedError
-
-    def _divide_by_temperature(self, kept: Tensor) -> Tuple[Tensor, Tensor]:
-        """``kept / T`` per row, differentiable in ``T`` too (as the OT temperature is; -inf candidates stay
-        -inf: :func:`~softtopk_fairseq.ops.divide_by_temperature`), and ``T`` detached."""
-        temperature = self.temperature(kept)
-        return divide_by_temperature(kept, temperature), temperature.detach()
-
-
-class OptimalTransport(Relaxation):
-    """The paper's sorted SOFT top-k (:func:`~softtopk_fairseq.ops.soft_topk`), called with ``check_errors=False``:
-    on a GPU each of its checks would be a synchronisation per step, a wait for everything queued before it --
-    free while the GPU waits on the host (the LSTM benchmark: no difference measured, docs/results.md), not when
-    the GPU is the bottleneck. A refused row comes out NaN, as :meth:`Relaxation.relax` promises, and the rows
-    capped at ``max_iter`` are counted (``SoftBeamOutput.solver_capped``) for the caller to report once per
-    batch."""
-
-    check_errors = False  # (a class attribute: benchmarks/soft_beam_phases.py measures the checks by setting it)
-
-    def capturable(self):
-        return not self.check_errors
-
-    def _relax(self, kept):
-        A, info = soft_topk(kept, self.k, sorted=True, epsilon=self.epsilon, scaling=self.scaling, tol=self.tol,
-                            max_iter=self.max_iter, check_errors=self.check_errors, return_info=True)
-        return Relaxed(A, info.temperature, info.iterations.detach(), info.error.detach(), info.converged)
-
-    def capped(self, iterations: Tensor, converged: Tensor) -> Tensor:
-        """Where the solver stopped at ``max_iter`` unconverged (what ``soft_topk`` warns about), from its
-        iterations and convergence flags (any shape, e.g. all steps stacked)."""
-        return (iterations >= (DEFAULT_MAX_ITER["newton"] if self.max_iter is None else self.max_iter)) & ~converged
-
-    def pruned_terms(self, relaxed, kept, rest):
-        r"""At the kept problem's dual potentials a candidate of score ``x`` gets
-        :math:`\Gamma_l / \Gamma_{rest} = r_l\, e^{(x - x_w)(k - l)/\varepsilon}` relative to the weakest kept
-        candidate ``w`` (:math:`r_l = A_{wl} / A_{w,rest}`); anchors ``k - l >= 1`` and ``x <= x_w`` give a total
-        over pruned candidates of at most :math:`\frac{1 - a}{a} \sum_p e^{(x_p - x_w)/\varepsilon}`, with ``a``
-        the weakest kept candidate's rest mass (capped at ``k``, the total rank mass). Terms: ``1 - a`` and the
-        sum."""
-        # The kept scores are sorted, best first: the weakest kept candidate w is the last. If it is -inf, fewer
-        # than M candidates were live and no finite one was pruned: a = 0 there, and so is the bound (x_w is
-        # clamped to a finite reference only so that -inf - x_w is not NaN).
-        x_w = kept[:, -1:].clamp_min(torch.finfo(kept.dtype).min)
-        rest_sum = rest.sub_(x_w).div_(relaxed.temperature.unsqueeze(-1)).exp_().sum(-1)  # terms <= 1: no overflow
-        return relaxed.A[:, -1, :].sum(-1), rest_sum
-
-    def pruned_bound(self, rank_mass, rest_sum):
-        tiny = torch.finfo(rank_mass.dtype).tiny
-        return (rank_mass * rest_sum / (1 - rank_mass).clamp_min(tiny)).clamp(max=self.k)  # at most k anyway
-
-
-class SoftmaxKTimes(Relaxation):
-    """k successive softmaxes, rank ``l`` removing the hard top-l (:func:`~softtopk_fairseq.ops.softmax_k_times`),
-    at the temperature SOFT top-k would use (the scores divided by it here, the softmaxes at temperature 1)."""
-
-    def _relax(self, kept):
-        scaled, temperature = self._divide_by_temperature(kept)
-        return Relaxed(softmax_k_times(scaled, self.k, epsilon=1.0), temperature, None, None)
-
-    def pruned_terms(self, relaxed, kept, rest):
-        """Exact: the mass ``S_p / (S_p + S_l)`` of each rank's softmax, summed over ranks (``S`` = sums of
-        ``exp(x / T)``). Terms: ``log S_p`` (rows,) and ``log S_l`` (rows, k), relative to a common reference."""
-        temperature = relaxed.temperature
-        # Relative to x_w, the weakest finite kept score (if some kept ones are -inf, nothing finite was pruned:
-        # the sum is 0).
-        x_w = torch.where(kept > -torch.inf, kept, torch.inf).amin(-1, keepdim=True)
-        log_rest = torch.log(rest.sub_(x_w).div_(temperature.unsqueeze(-1)).exp_().sum(-1))
-        tiny = torch.finfo(temperature.dtype).tiny
-        logits = (kept - x_w) / temperature.unsqueeze(-1)
-        top = torch.sort(logits, -1, descending=True).values[..., : self.k]
-        lse_all = torch.logsumexp(logits, -1, keepdim=True)
-        removed = torch.cumsum(torch.exp(top - lse_all), -1) - torch.exp(top - lse_all)  # mass of the top-l
-        return log_rest, lse_all + torch.log((1 - removed).clamp_min(tiny))
-
-    def pruned_bound(self, log_rest, lse_kept):
-        return torch.sigmoid(log_rest.unsqueeze(-1) - lse_kept).sum(-1)
-
-
-class Perturbed(Relaxation):
-    """The perturbed sorted top-k of Berthet et al. (:func:`~softtopk_fairseq.ops.perturbed_topk`), with
-    noise scale ``sigma = epsilon`` per row through :meth:`temperature` -- the same per-sentence normalisation
-    as the OT temperature with ``scaling="paper"``. The hard top-k does not change when all scores are divided
-    by one positive number, so ``top-k(x + sigma Z) = top-k(x / sigma + Z)``: the operator runs at sigma 1 on
-    the scores divided by each row's sigma (differentiable in it, as the OT temperature is)."""
-
-    def _relax(self, kept):
-        scaled, sigma = self._divide_by_temperature(kept)
-        return Relaxed(perturbed_topk(scaled, self.k, sigma=1.0, samples=self.samples, sorted=True), sigma, None,
-                       None)
-
-    def pruned_terms(self, relaxed, kept, rest):
-        r"""A pruned candidate ``p`` (``x_p <= x_k``, the k-th best kept score) holds a rank of
-        ``top-k(x + sigma Z)`` only if it beats one of the k best kept candidates ``j``, so its rank mass is at
-        most :math:`\sum_{j \le k} \Phi((x_p - x_j) / (\sigma\sqrt 2)) \le k\,\Phi((x_p - x_k)/(\sigma\sqrt 2))`
-        -- a bound on the expectation, not on the Monte-Carlo estimate; summed over ``p``, capped at ``k``. Term:
-        the log of the sum over ``p``."""
-        sigma = relaxed.temperature.unsqueeze(-1)
-        x_k = kept[:, self.k - 1: self.k]
-        live = (rest > -torch.inf) & (x_k > -torch.inf)
-        z = torch.where(live, (rest - torch.where(live, x_k, 0.0)) / (sigma * math.sqrt(2.0)), -torch.inf)
-        return (torch.logsumexp(torch.special.log_ndtr(z), -1),)
-
-    def pruned_bound(self, log_sum):
-        return torch.exp(log_sum.clamp(max=0.0) + math.log(self.k))
-
-
-RELAXATIONS = {"ot": OptimalTransport, "softmax_k_times": SoftmaxKTimes, "perturbed": Perturbed}
-
-
-def make_relaxation(name: str, k: int, epsilon: float, scaling: str, **options) -> Relaxation:
-    """The relaxation called ``name`` (a key of :data:`RELAXATIONS`); ``options`` (``tol``, ``max_iter``,
-    ``samples``) go to its constructor, each variant reading the ones it uses."""
-    if name not in RELAXATIONS:
-        raise ValueError(f"soft_beam_search: relaxation must be one of {tuple(RELAXATIONS)}, got {name!r}")
-    return RELAXATIONS[name](k, epsilon, scaling, **options)
 
 
 def _log_probs(model, net_output) -> Tensor:
@@ -379,9 +193,9 @@ class _Step(NamedTuple):
     cum: Tensor               # (bsz, k) its cumulative score
     mixing: Tensor            # (bsz, k, k) the state mixing W (eq. (10))
     soft: Tensor              # (bsz, k, dim) the soft inputs (eq. (9))
-    iterations: Optional[Tensor]  # (bsz,) the solver's report (:class:`Relaxed`); None without a solver
+    iterations: Optional[Tensor]  # (bsz,) the solver's report (:class:`~.relaxations.Relaxed`); None without a solver
     error: Optional[Tensor]
-    converged: Optional[Tensor]
+    capped: Optional[Tensor]
     pruned_terms: Optional[Tuple[Tensor, ...]]  # what bounds the rank mass lost to pruning; None without pruning
 
 
@@ -401,7 +215,7 @@ def _search_step(relax: Relaxation, cum: Tensor, lprobs: Tensor, ban: Tensor, ca
             pruned = relax.pruned_terms(relaxed, c.kept_scores, rest)
     parent, token, cum = _follow(relaxed.A, c, bookkeeping, V)
     mixing, soft = _soft_order_and_input(relaxed.A, c, embed, V)
-    return _Step(parent, token, cum, mixing, soft, relaxed.iterations, relaxed.error, relaxed.converged, pruned)
+    return _Step(parent, token, cum, mixing, soft, relaxed.iterations, relaxed.error, relaxed.capped, pruned)
 
 
 def capturable_lookup(embed) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
@@ -445,7 +259,7 @@ class _Trace:
 
     def __init__(self, bsz: int, device: torch.device):
         self.gold_lp, self.final_lp, self.parents, self.tokens = [], [], [], []
-        self.iterations, self.errors, self.converged, self.pruned = [], [], [], []  # per step; reduced in output()
+        self.iterations, self.errors, self.capped, self.pruned = [], [], [], []  # per step; reduced in output()
         self.bsz, self.device = bsz, device
 
     def scores(self, lprobs: Tensor, cum: Tensor, gold: Tensor, eos: int) -> None:
@@ -458,7 +272,7 @@ class _Trace:
         if step.iterations is not None:  # a solver's relaxation (the others report nothing: empty lists)
             self.iterations.append(step.iterations)
             self.errors.append(step.error)
-            self.converged.append(step.converged)
+            self.capped.append(step.capped)
         if step.pruned_terms is not None:
             self.pruned.append(step.pruned_terms)
         self.parents.append(step.parent)
@@ -475,8 +289,7 @@ class _Trace:
             hypothesis_scores=ranked_scores,
             solver_iterations=torch.stack(self.iterations).float().mean(1) if self.iterations else zero,
             solver_error=torch.stack(self.errors).float().amax(1) if self.errors else zero,
-            solver_capped=(relax.capped(torch.stack(self.iterations), torch.stack(self.converged)).sum(1)
-                           if self.iterations else zero.long()),
+            solver_capped=torch.stack(self.capped).sum(1) if self.capped else zero.long(),
             pruned_mass=(relax.pruned_bound(*map(torch.stack, zip(*self.pruned))).sum(0).float() if self.pruned
                          else torch.zeros(self.bsz, device=self.device)),
             teacher_forced_lprobs=teacher_forced_lprobs,
@@ -559,22 +372,25 @@ class _TeacherForcedRows(_BeamRows):
 
 
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
-                     beam: int = 5, relaxation: str = "ot", epsilon: float = 0.1, scaling: str = "none",
+                     beam: int = defaults.BEAM, relaxation: Union[str, Relaxation] = defaults.SEARCH_RELAXATION,
+                     epsilon: float = defaults.EPSILON, scaling: str = defaults.SEARCH_SCALING,
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
-                     candidates: int = 0, bookkeeping: str = "argmax",
-                     samples: int = PERTURBED_SAMPLES, encoder_out=None,
+                     candidates: int = defaults.CANDIDATES, bookkeeping: str = defaults.BOOKKEEPING,
+                     samples: int = defaults.PERTURBED_SAMPLES, encoder_out=None,
                      teacher_forcing: Optional[Tensor] = None, graphs: Optional[GraphCache] = None) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
     Args:
         target: (bsz, T) gold tokens, right-padded with ``pad``, each row ending in ``eos``.
-        beam: k. relaxation: ``"ot"`` (sorted SOFT top-k), ``"softmax_k_times"`` or ``"perturbed"`` (see
-            :data:`RELAXATIONS`).
-        epsilon, scaling: the relaxation's temperature (the noise scale sigma for ``"perturbed"``), in units of
-            log-likelihood with ``scaling="none"``, normalised per sentence with ``"paper"`` (for every
-            relaxation: the others then use the temperature ``soft_topk`` would). tol, max_iter: passed to
-            ``soft_topk``. samples: Gaussian draws per step of ``"perturbed"``.
+        beam: k. relaxation: ``"soft_topk"`` (sorted SOFT top-k), ``"softmax_k_times"`` or ``"perturbed"``
+            (:mod:`~softtopk_fairseq.modules.relaxations`), or a
+            :class:`~softtopk_fairseq.modules.relaxations.Relaxation` built for this beam size (then ``epsilon``,
+            ``scaling``, ``tol``, ``max_iter`` and ``samples`` are its own, not these).
+        epsilon, scaling: the relaxation's temperature (the noise scale sigma for ``"perturbed"``), normalised
+            per sentence with ``scaling="paper"`` (the default, the paper's setting), in units of log-likelihood
+            with ``"none"`` (for every relaxation: the others then use the temperature ``soft_topk`` would).
+            tol, max_iter: passed to ``soft_topk``. samples: Gaussian draws per step of ``"perturbed"``.
         candidates: M, the candidates per sentence kept before the relaxed top-k (0 or >= k*V: all; else >= k;
             :func:`search_option_problems`).
         bookkeeping: ``"argmax"`` (the paper: beam l continues the candidate with the largest ``A[:, l]``) or
@@ -592,7 +408,7 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         graphs: a :class:`~softtopk_fairseq.modules.cuda_graphs.GraphCache` (kept by the caller across batches)
             to run each step's work between two decoder calls -- candidates, relaxed top-k, bookkeeping, state
             mixing, soft inputs -- as CUDA graphs, captured once per batch size: a few launches each way instead
-            of ~64 (the LSTM benchmark), for a GPU, where an update is bound by launching them. Used on CUDA
+            of dozens, for a GPU, where an update is bound by launching them. Used on CUDA
             batches with the ``"ot"`` relaxation, outside autocast (whose cast cache a graph cannot hold), for an
             ``nn.Embedding`` input embedding (:func:`capturable_lookup`); elsewhere the step runs eagerly (the
             other relaxations read their checks back or draw noise). Same results up to rounding (tested).
@@ -608,7 +424,14 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         raise TypeError(f"soft_beam_search: {type(decoder).__name__} has no embed_tokens module to feed soft "
                         "tokens through")
     k = beam
-    relax = make_relaxation(relaxation, k, epsilon, scaling, tol=tol, max_iter=max_iter, samples=samples)
+    if isinstance(relaxation, Relaxation):
+        if relaxation.k != k or USE not in relaxation.uses:
+            raise ValueError(f"soft_beam_search: relaxation {type(relaxation).__name__} (k={relaxation.k}) is not a "
+                             f"beam-search relaxation for beam={k}")
+        relax = relaxation
+    else:
+        relax = relaxations.make(relaxation, USE, k, epsilon, where="soft_beam_search: relaxation", scaling=scaling,
+                                 tol=tol, max_iter=max_iter, samples=samples)
     bsz, T = target.shape
     device = target.device
     lengths = target.ne(pad).sum(1)  # incl. eos

@@ -1,24 +1,24 @@
-r"""Top-k sparse attention weights (paper App. I.3) and the two baselines, from masked attention scores.
+r"""Top-k sparse attention weights (paper App. I.3) and their baselines, from masked attention scores.
 
-Given scores :math:`s_j` over the keys (``-inf`` = masked: padding, causal future):
+Given scores :math:`s_j` over the keys (``-inf`` = masked: padding, causal future), the weights are a softmax of
+the scores with the selection of a relaxation applied (``mode``: a name of
+:mod:`~softtopk_fairseq.modules.relaxations` that serves the attention):
 
-* ``"softmax"`` -- plain attention, :math:`\mathrm{softmax}(s)`;
-* ``"soft"``    -- SOFT top-k attention, :math:`\mathrm{softmax}(s + \log A^\varepsilon(s))` with
+* ``"softmax"``   -- plain attention, :math:`\mathrm{softmax}(s)`;
+* ``"soft_topk"`` -- SOFT top-k attention, :math:`\mathrm{softmax}(s + \log A^\varepsilon(s))` with
   :math:`A^\varepsilon` the unsorted SOFT top-k of the scores over the keys (so mass concentrates on about k
   keys, and training stays end to end);
-* ``"hard"``    -- hard top-k attention (Explicit Sparse Transformer): softmax over the k largest scores;
-* ``"perturbed"`` -- as ``"soft"`` with ``A`` the perturbed top-k of Berthet et al. (``ops.perturbed_topk``:
+* ``"hard_topk"`` -- hard top-k attention (Explicit Sparse Transformer): softmax over the k largest scores;
+* ``"perturbed"`` -- as ``"soft_topk"`` with ``A`` the perturbed top-k of Berthet et al. (``ops.perturbed_topk``:
   the hard top-k averaged over ``samples`` Gaussian perturbations of standard deviation ``epsilon``, a
   Monte-Carlo gradient). Random: each call draws fresh noise (torch's default generator).
 
-Rows with at most k valid keys attend to all of them (``A = 1`` there, so all three equal softmax); fully
+Rows with at most k valid keys attend to all of them (``A = 1`` there, so every mode equals softmax); fully
 masked rows get all-zero weights (plain softmax would give NaN). A row holding a NaN or ``+inf`` score (a float16
 overflow of ``q.k``, say) gets NaN weights in every mode, as ``torch.softmax`` gives: the loss and gradients are
 then non-finite, which fairseq's trainer handles as it does for its own attention -- the batch is skipped and the
 loss scale lowered under ``--fp16`` / ``--amp``, a ``FloatingPointError`` with its NaN detector's report otherwise
--- where the operators' refusal (``ops.BadScoresError``) would end the run. ``log A``
-is taken of ``A`` floored at ``LOG_FLOOR``: a key that far outside the top k gets weight
-``<= 1e-30 * softmax``, and its gradient through ``log`` is cut instead of overflowing to NaN.
+-- where the operators' refusal (``ops.BadScoresError``) would end the run.
 """
 import math
 from typing import List
@@ -26,61 +26,55 @@ from typing import List
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops import BadScoresError, bad_score_rows, perturbed_topk, soft_topk
+from softtopk_fairseq import defaults
+from softtopk_fairseq.modules import relaxations
+from softtopk_fairseq.modules.relaxations import Relaxation
 
-MODES = ("softmax", "soft", "hard", "perturbed")
-LOG_FLOOR = 1e-30
-DEFAULT_SAMPLES = 16  # Gaussian perturbations per call of the "perturbed" mode
+USE = "attention"
+INFERENCE_SAME = "same"  # --topk-attn-inference: eval mode uses the training mode's weights
 
 
-def topk_attention_weights(scores: Tensor, k: int, *, mode: str = "soft", epsilon: float = 0.1,
-                           dim: int = -1, samples: int = DEFAULT_SAMPLES) -> Tensor:
-    """Attention weights along ``dim`` (summing to 1 over the valid keys; 0 on masked keys).
-
-    ``epsilon`` is the SOFT top-k temperature in the units of the scores (the noise's standard deviation for
-    ``"perturbed"``, which draws ``samples`` perturbations). The computation runs in at least float32 and
-    returns ``scores.dtype``.
-    """
-    if mode not in MODES:
-        raise ValueError(f"topk_attention_weights: mode must be one of {MODES}, got {mode!r}")
-    if k < 1:
-        raise ValueError(f"topk_attention_weights: k must be >= 1, got {k}")
+def weights_from(relaxation: Relaxation, scores: Tensor, dim: int = -1) -> Tensor:
+    """Attention weights along ``dim`` (summing to 1 over the valid keys; 0 on masked keys) with ``relaxation``'s
+    selection (:meth:`~softtopk_fairseq.modules.relaxations.Relaxation.attention_scores`). The computation runs
+    in at least float32 and returns ``scores.dtype``."""
     x = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
     valid = x != -torch.inf  # a NaN key counts: its row's weights come out NaN, as softmax's would
-    if mode == "softmax" or k >= x.shape[dim]:
-        pass
-    elif mode == "hard":
-        kth = torch.topk(x, k, dim=dim).values.narrow(dim, k - 1, 1)
-        x = x.masked_fill(x < kth, -torch.inf)
-    else:
-        # Both relaxations treat rows with <= k valid keys as "select all" (A = 1 on valid keys).
-        def relaxed_topk(scores_: Tensor) -> Tensor:
-            if mode == "soft":
-                return soft_topk(scores_, k, dim=dim, epsilon=epsilon)
-            return perturbed_topk(scores_, k, dim=dim, sigma=epsilon, samples=samples)
-
-        try:
-            a = relaxed_topk(x)
-        except BadScoresError:  # NaN weights on the rows the operator refused, as softmax gives (module docstring)
-            bad = bad_score_rows(x, dim)
-            a = torch.where(bad, torch.nan, relaxed_topk(torch.where(bad, 0.0, x)))
-        x = torch.where(valid, x + torch.log(a.clamp_min(LOG_FLOOR)), x)
+    if relaxation.k < x.shape[dim]:  # (with at most k keys every mode selects them all: softmax)
+        x = relaxation.attention_scores(x, dim)
     # A fully masked row (e.g. a padding query) would be softmax(-inf, ...) = NaN: give it zeros instead.
     alive = valid.any(dim=dim, keepdim=True)
     weights = torch.softmax(torch.where(alive, x, torch.zeros_like(x)), dim=dim)
     return torch.where(alive & valid, weights, torch.zeros_like(weights)).to(scores.dtype)
 
 
-def topk_option_problems(k: int, epsilon: float, mode: str = "soft", inference: str = "same",
-                         samples: int = DEFAULT_SAMPLES) -> List[str]:
+def topk_attention_weights(scores: Tensor, k: int, *, mode: str = defaults.TOPK_ATTN_MODE,
+                           epsilon: float = defaults.EPSILON, dim: int = -1,
+                           samples: int = defaults.PERTURBED_SAMPLES) -> Tensor:
+    """Attention weights along ``dim`` (summing to 1 over the valid keys; 0 on masked keys) in ``mode`` (module
+    docstring).
+
+    ``epsilon`` is the SOFT top-k temperature in the units of the scores (the noise's standard deviation for
+    ``"perturbed"``, which draws ``samples`` perturbations). The computation runs in at least float32 and
+    returns ``scores.dtype``.
+    """
+    if k < 1:
+        raise ValueError(f"topk_attention_weights: k must be >= 1, got {k}")
+    relaxation = relaxations.make(mode, USE, k, epsilon, samples=samples, where="topk_attention_weights: mode")
+    return weights_from(relaxation, scores, dim)
+
+
+def topk_option_problems(k: int, epsilon: float, mode: str = defaults.TOPK_ATTN_MODE,
+                         inference: str = defaults.TOPK_ATTN_INFERENCE,
+                         samples: int = defaults.PERTURBED_SAMPLES) -> List[str]:
     """What is wrong with the top-k attention options, one line each naming the flag (``--topk-attn-*``), its
     value and what it must be (empty when nothing is): the layers refuse such options, and the demo pipeline
-    checks its own with it before anything runs."""
+    checks its own with it before anything runs. Old names of the modes are accepted (with a warning)."""
     problems = []
-    if mode not in MODES:
-        problems.append(f"--topk-attn-mode must be one of {MODES}, got {mode!r}")
-    if inference not in MODES + ("same",):
-        problems.append(f"--topk-attn-inference must be one of {MODES + ('same',)}, got {inference!r}")
+    for flag, value, extra in (("--topk-attn-mode", mode, ()), ("--topk-attn-inference", inference,
+                                                                 (INFERENCE_SAME,))):
+        if str(value) not in extra + relaxations.accepted_names(USE):
+            problems.append(f"{flag} must be one of {extra + relaxations.names(USE)}, got {value!r}")
     if k < 1:
         problems.append(f"--topk-attn-k must be >= 1, got {k}")
     if not (math.isfinite(epsilon) and epsilon > 0):
@@ -91,7 +85,7 @@ def topk_option_problems(k: int, epsilon: float, mode: str = "soft", inference: 
 
 
 class TopkAttentionMixin:
-    """Mode switching shared by the top-k attention layers."""
+    """Mode switching shared by the top-k attention layers: one relaxation for training, one for eval mode."""
 
     topk_k: int
     topk_epsilon: float
@@ -99,20 +93,33 @@ class TopkAttentionMixin:
     topk_inference: str
     topk_samples: int
 
-    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str, samples: int = DEFAULT_SAMPLES):
+    def configure_topk(self, k: int, epsilon: float, mode: str, inference: str,
+                       samples: int = defaults.PERTURBED_SAMPLES):
         problems = topk_option_problems(k, epsilon, mode, inference, samples)
         if problems:
             raise ValueError("top-k attention: " + "; ".join(problems))
+        mode = relaxations.resolve(mode, USE, "--topk-attn-mode")
+        if inference != INFERENCE_SAME:
+            inference = relaxations.resolve(inference, USE, "--topk-attn-inference")
         self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
         self.topk_samples = samples
         return self
 
     @property
     def active_topk_mode(self) -> str:
-        if self.training or self.topk_inference == "same":
+        if self.training or self.topk_inference == INFERENCE_SAME:
             return self.topk_mode
         return self.topk_inference
 
     def topk_weights(self, scores: Tensor, dim: int) -> Tensor:
-        return topk_attention_weights(scores, self.topk_k, mode=self.active_topk_mode, epsilon=self.topk_epsilon,
-                                      dim=dim, samples=getattr(self, "topk_samples", DEFAULT_SAMPLES))
+        return weights_from(self._topk_relaxation(self.active_topk_mode), scores, dim)
+
+    def _topk_relaxation(self, mode: str) -> Relaxation:
+        """The relaxation of ``mode`` at the layer's options, made once (the options may be set after
+        :meth:`configure_topk`, e.g. by a tool that switches the inference mode)."""
+        key = (mode, self.topk_k, self.topk_epsilon, self.topk_samples)
+        cache = self.__dict__.setdefault("_topk_relaxations", {})
+        if key not in cache:
+            cache[key] = relaxations.make(mode, USE, self.topk_k, self.topk_epsilon, samples=self.topk_samples,
+                                          where="--topk-attn-mode")
+        return cache[key]

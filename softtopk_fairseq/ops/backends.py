@@ -1,38 +1,38 @@
 """The backends of ``soft_topk``'s op: one interface, chosen once per call (:func:`select`).
 
-* :class:`Backend` -- the PyTorch path (``backend="torch"``): any device, float32 or float64, Newton or
-  Sinkhorn. The reference the fused backends are tested against.
+* :class:`Backend` -- the interface (abstract): :meth:`~Backend.solve`, :meth:`~Backend.solve_paper`,
+  :meth:`~Backend.paper_temperature` and :meth:`~Backend.gradients`, all on (rows, n) scores with ``-inf`` on
+  excluded entries and the caller's ``mask`` (bool, or None), and the call's :class:`SolveOptions`.
+* :class:`TorchBackend` -- the PyTorch path (``backend="torch"``): any device, float32 or float64, Newton or
+  Sinkhorn. It prepares with tensor operations (:meth:`TorchBackend.solve`: the checks, the centre, the start)
+  and solves with ``solvers``. The reference the fused backends are tested against.
 * :class:`FusedBackend` -- the same Newton solve and closed-form backward in one kernel launch each way, on the
-  raw scores, the preparation included; subclasses name their kernel module and when they can run:
-  :class:`CpuBackend` (``cpu_kernels``, C, CPU tensors) and :class:`TritonBackend` (``triton_kernels``,
-  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` for the tests).
+  raw scores, the preparation included (one call each way instead of a few dozen tensor operations, each a
+  launch on a GPU); subclasses name their kernel module and when they can run: :class:`CpuBackend`
+  (``cpu_kernels``, C, CPU tensors) and :class:`TritonBackend` (``triton_kernels``, CUDA tensors, or CPU tensors
+  under ``TRITON_INTERPRET=1`` for the tests).
 
-Every backend has the same entry points, ``solve(...) -> (out, info)`` (the op's forward: check the scores,
-find the centre and the starting thresholds, solve), ``solve_paper`` (the same at the paper scaling's
-temperature, computed on the way), ``paper_temperature`` and ``gradients(...) -> (grad_x, grad_eps)``, all on
-(rows, n) scores with ``-inf`` on excluded entries and the caller's ``mask`` (bool, or None); ``soft_topk.py``
-keeps the definition, validation and the custom-op registration, and never asks which backend it holds. The
-PyTorch path prepares with tensor operations (:meth:`Backend.solve`: ``row_top``, then ``forward``); the fused
-kernels do all of it per row (one call each way instead of a few dozen tensor operations, each a launch on a
-GPU).
+``soft_topk.py`` keeps the definition, validation and the custom-op registration, and never asks which backend
+it holds.
 
 ``backend="auto"``: the fused kernels for float32 -- Triton on CUDA, C on CPU -- else the PyTorch path. When
 the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a compiler or driver error),
 ``auto`` warns once, saying why, and uses the PyTorch path; a backend named explicitly raises instead.
 """
+import abc
 import contextlib
 import os
 import threading
 import warnings
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from softtopk_fairseq.ops import backward as implicit_backward
-from softtopk_fairseq.ops import cpu_kernels, solvers
+from softtopk_fairseq.ops import cpu_kernels, implicit_backward, solvers
 from softtopk_fairseq.ops.arguments import BadScoresError, nan_scores, selected_infinity
-from softtopk_fairseq.ops.launch import BAD_INF, BAD_NAN, BAD_SCALE
+from softtopk_fairseq.ops.kernel_interface import BAD_INF, BAD_NAN, BAD_SCALE
 
 NAMES = ("auto", "torch", "triton", "cpu")
 NAN_SCORES = nan_scores("soft_topk")
@@ -46,26 +46,88 @@ class KernelError(RuntimeError):
     """A fused kernel could not be built or launched (the message says why)."""
 
 
-class Backend:
-    """The PyTorch path; the base class whose entry points the fused backends override."""
+def top_anchor(k: int, sorted: bool) -> float:
+    """The top anchor ``K`` of the paper scaling's cost (anchors 0..K): ``k`` sorted, 1 unsorted."""
+    return float(k if sorted else 1)
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """What one call of the op solves, besides its tensors: ``k``, ``sorted``, the solver's ``tol``,
+    ``max_iter`` and ``method``, and ``check_errors`` (raise on refused scores, or NaN rows without reading
+    anything back)."""
+
+    k: int
+    sorted: bool
+    tol: float
+    max_iter: int
+    method: str = "newton"
+    check_errors: bool = True
+
+    @property
+    def anchor_top(self) -> float:
+        return top_anchor(self.k, self.sorted)
+
+    def checked(self) -> "SolveOptions":
+        """The same options with ``check_errors=True``: for a solve whose refused rows were taken out first."""
+        return SolveOptions(self.k, self.sorted, self.tol, self.max_iter, self.method, True)
+
+
+class Backend(abc.ABC):
+    """The interface of a backend (module docstring); ``name`` is the ``backend=`` value that names it."""
+
+    name = ""
+
+    @abc.abstractmethod
+    def solve(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions) -> Tuple[Tensor, Tensor]:
+        """The op's forward on (rows, n) scores ``x`` (``-inf`` where excluded), the caller's ``mask`` (rows, n)
+        (or None) and the per-row temperature ``eps``: the output ((rows, n, k) sorted, (rows, n) not) and the
+        info (rows, 2) = iterations, marginal error. Refused scores (NaN, +inf on a valid entry, an infinite
+        temperature over a range that overflows) raise, or without ``opts.check_errors`` come out as NaN rows,
+        the others solved as they would be alone."""
+
+    @abc.abstractmethod
+    def solve_paper(self, x: Tensor, mask: Optional[Tensor], epsilon: float, opts: SolveOptions):
+        """The op's forward at the paper scaling's temperature: (out, info, eps, at, slope), as
+        :meth:`paper_temperature` then :meth:`solve`."""
+
+    @abc.abstractmethod
+    def paper_temperature(self, x: Tensor, mask: Optional[Tensor], anchor_top: float,
+                          epsilon: float) -> Tuple[Tensor, Tensor, Tensor]:
+        """The paper scaling's temperature per row (``soft_topk._PaperTemperature`` states it), the index of the
+        entry where the row's maximal cost sits and d eps / d x there: (eps, at, slope), each (rows,)."""
+
+    @abc.abstractmethod
+    def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor,
+                  opts: SolveOptions, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+        """dL/dx (rows, n) and dL/deps (rows,; zeros unless ``eps_grad``) from the op's output; without
+        ``opts.check_errors``, NaN on the rows it refused."""
+
+
+class _Start(NamedTuple):
+    """What :meth:`TorchBackend.solve` prepares before it solves (the fused kernels find it per row)."""
+
+    valid: Tensor      # (rows, n) the entries that take part
+    n_valid: Tensor    # (rows,) how many
+    centre: Tensor     # (rows,) x_(k), the k-th largest valid score (0 for empty rows)
+    bound: float       # the normalised scores' clamp (score_bound)
+    u_top: Tensor      # (rows, k + 1) the normalised top-(k+1) valid scores: the starting thresholds
+
+
+class TorchBackend(Backend):
+    """The PyTorch path: checks, centre and start by tensor operations, then ``solvers``; any device and float
+    dtype, Newton or Sinkhorn."""
 
     name = "torch"
 
-    def solve(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float,
-              max_iter: int, method: str, check_errors: bool = True) -> Tuple[Tensor, Tensor]:
-        """The op's forward on (rows, n) scores ``x`` (``-inf`` where excluded), the caller's ``mask`` (rows, n)
-        (or None) and the per-row temperature ``eps``: checks the scores (ValueError on NaN or +inf; without
-        ``check_errors`` the rows it would refuse are solved as zeros and come out NaN: :func:`solve_without_refused`),
-        normalises them by the centre x_(k) and ``eps``, and solves from the hard-assignment start
-        (:meth:`forward`)."""
-        if check_errors:
-            return self._solve_checked(x, mask, eps, k, sorted, tol, max_iter, method)
-        return solve_without_refused(x, mask, eps, lambda x, eps: self._solve_checked(x, mask, eps, k, sorted, tol,
-                                                                                      max_iter, method))
+    def solve(self, x, mask, eps, opts):
+        if opts.check_errors:
+            return self._solve_checked(x, mask, eps, opts)
+        return solve_without_refused(x, mask, eps, lambda x, eps: self._solve_checked(x, mask, eps, opts))
 
-    def _solve_checked(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float,
-                       max_iter: int, method: str) -> Tuple[Tensor, Tensor]:
+    def _solve_checked(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions):
         """:meth:`solve`, raising on the rows it refuses."""
+        k = opts.k
         valid = valid_entries(x, mask)
         n_valid = valid.sum(-1)
         all_valid = bool((n_valid == x.shape[-1]).all())
@@ -76,32 +138,22 @@ class Backend:
         centre = torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
         bound = score_bound(x.dtype, k)
         u_top = torch.where(torch.isfinite(top), solvers.normalise_scores(top, centre, eps, bound), top)
-        return self.forward(x, valid, n_valid, all_valid, centre, eps, bound, u_top, k, sorted, tol, max_iter,
-                            method)
+        return self.forward(x, eps, _Start(valid, n_valid, centre, bound, u_top), opts)
 
-    def gradients(self, grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
-                  sorted: bool, eps_grad: bool, check_errors: bool = True) -> Tuple[Tensor, Tensor]:
-        """dL/dx (rows, n) and dL/deps (rows,; zeros unless ``eps_grad``) from the op's output; without
-        ``check_errors``, NaN on the rows it refused (:meth:`refused_gradients`)."""
+    def solve_paper(self, x, mask, epsilon, opts):
+        eps, at, slope = self.paper_temperature(x, mask, opts.anchor_top, epsilon)
+        return (*self.solve(x, mask, eps, opts), eps, at, slope)
+
+    def gradients(self, grad_out, out, x, mask, eps, opts, eps_grad):
         valid = valid_entries(x, mask)
-        grad_x = self.backward(grad_out, out, valid, eps, k, sorted)
+        grad_x = self.backward(grad_out, out, valid, eps, opts.k, opts.sorted)
         if not eps_grad:  # a constant temperature (scaling="none"): no dL/deps to form
             grads = grad_x, torch.zeros_like(eps)
         else:
             grads = grad_x, implicit_backward.temperature_grad(grad_x, x, valid, eps)
-        return grads if check_errors else self.refused_gradients(out, grads)
+        return grads if opts.check_errors else refused_gradients(out, grads)
 
-    def refused_gradients(self, out: Tensor, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
-        """``grads`` (each (rows, ...)) with NaN on the rows whose output is NaN: the rows refused without
-        ``check_errors`` (never a solved one), whatever the backward computed from them -- it reads a NaN plan
-        as an empty one."""
-        refused = torch.isnan(out.view(out.shape[0], -1)[:, 0])
-        return tuple(nan_rows(g, refused) for g in grads)
-
-    def paper_temperature(self, x: Tensor, mask: Optional[Tensor], anchor_top: float,
-                          epsilon: float) -> Tuple[Tensor, Tensor, Tensor]:
-        """The paper scaling's temperature per row (``soft_topk._PaperTemperature`` states it), the index of the
-        entry where the row's maximal cost sits and d eps / d x there: (eps, at, slope), each (rows,)."""
+    def paper_temperature(self, x, mask, anchor_top, epsilon):
         valid = valid_entries(x, mask)
         # (the shortcut reads a tensor's value: not while torch.compile traces)
         all_valid = not torch.compiler.is_compiling() and bool(valid.all())
@@ -121,31 +173,22 @@ class Backend:
         slope = torch.where(positive, epsilon / 2 * torch.where(use_hi, slope_hi, slope_lo), 0.0)
         return eps, torch.where(use_hi, hi_at, lo_at), slope
 
-    def solve_paper(self, x: Tensor, mask: Optional[Tensor], anchor_top: float, epsilon: float, k: int,
-                    sorted: bool, tol: float, max_iter: int, method: str, check_errors: bool = True):
-        """The op's forward at the paper scaling's temperature: (out, info, eps, at, slope), as
-        :meth:`paper_temperature` then :meth:`solve`; a backend that has both in one pass overrides it."""
-        eps, at, slope = self.paper_temperature(x, mask, anchor_top, epsilon)
-        return (*self.solve(x, mask, eps, k, sorted, tol, max_iter, method, check_errors), eps, at, slope)
-
     def row_top(self, x: Tensor, valid: Tensor, kk: int) -> Tensor:
         """The ``kk`` largest valid scores of each row, decreasing; ``-inf`` past the valid ones, NaN first."""
         xv = torch.where(valid, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device))
         return torch.topk(xv, kk, dim=-1).values
 
-    def forward(self, x: Tensor, valid: Tensor, n_valid: Tensor, all_valid: bool, centre: Tensor, eps: Tensor,
-                bound: float, u_top: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
-                method: str) -> Tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, eps: Tensor, start: _Start, opts: SolveOptions) -> Tuple[Tensor, Tensor]:
         """The operator's output ((rows, n, k) sorted, (rows, n) not) and info (rows, 2) = iterations,
-        marginal error, for (rows, n) scores ``x`` normalised per row by ``centre`` and ``eps``;
-        ``n_valid``: valid entries per row; ``u_top``: the normalised top-(k+1) valid scores (starting
-        thresholds)."""
-        u = solvers.normalise_scores(x, centre, eps, bound).masked_fill_(~valid, 0.0)
-        if method == "newton" and not sorted:
-            return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, u_top)
-        y, c = solvers.anchor_targets(n_valid, k, sorted, x.dtype)
-        if method == "newton":
-            p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter, top=u_top)
+        marginal error, for (rows, n) scores ``x`` normalised per row by ``start.centre`` and ``eps``."""
+        k, sorted, tol, max_iter = opts.k, opts.sorted, opts.tol, opts.max_iter
+        valid = start.valid
+        u = solvers.normalise_scores(x, start.centre, eps, start.bound).masked_fill_(~valid, 0.0)
+        if opts.method == "newton" and not sorted:
+            return solvers.newton_sigmoid_root(u, valid, k, tol, max_iter, start.u_top)
+        y, c = solvers.anchor_targets(start.n_valid, k, sorted, x.dtype)
+        if opts.method == "newton":
+            p, info = solvers.newton_semi_dual(u, valid, c, tol, max_iter, top=start.u_top)
         else:
             p, info = solvers.sinkhorn(u, valid, y, c, max_iter, tol if tol > 0 else None)
         out = p[:, :k].transpose(-1, -2) if sorted else p[:, 0]
@@ -165,15 +208,16 @@ class Backend:
         return torch.where(valid, grad_u / eps.unsqueeze(-1), torch.zeros_like(grad_u))
 
 
+
 class FusedBackend(Backend):
     """Newton forward and closed-form backward in one kernel launch each way, from the raw scores -- the checks,
     the centre, the temperature (the paper scaling's in the same pass) and the start included, which
-    :meth:`Backend.solve` prepares with tensor operations (on a GPU those cost more host time than the solve
+    :meth:`TorchBackend.solve` prepares with tensor operations (on a GPU those cost more host time than the solve
     itself). Subclasses set ``kernels``, a module with the launchers ``forward`` / ``unsorted_forward`` (x, mask,
     eps, k, bound, tol, max_iter, paper=None) -> (out, info, status, eps, at, slope), ``backward`` /
     ``unsorted_backward`` (out, grad_out, x, mask, eps, k, eps_grad) -> (grad_x, grad_eps or None) and
     ``paper_temperature``; and say where they run and how their forwards report bad scores
-    (:meth:`raise_for_status`)."""
+    (:meth:`raise_for_status`, :meth:`refusing`)."""
 
     kernels = None
 
@@ -181,50 +225,55 @@ class FusedBackend(Backend):
         """None when the kernels can run here, else why not."""
         return None
 
+    @abc.abstractmethod
     def runs_on(self, x: Tensor) -> Optional[str]:
         """None when the kernels take tensors like ``x``, else why not."""
-        return None
 
+    @abc.abstractmethod
     def auto_device(self, x: Tensor) -> bool:
         """Whether ``backend="auto"`` picks this backend for tensors like ``x`` (float32 ones)."""
-        return False
 
+    @abc.abstractmethod
     def raise_for_status(self, status) -> None:
-        """Raise ValueError on the status a forward launcher returned (``launch.STATUS_BITS``)."""
-        raise NotImplementedError
+        """Raise ValueError on the status a forward launcher returned (``kernel_interface.STATUS_BITS``)."""
 
+    @abc.abstractmethod
     def refusing(self, status, result: Tuple[Tensor, ...], x: Tensor, mask: Optional[Tensor], eps: Tensor,
                  again) -> Tuple[Tensor, ...]:
         """A forward's ``result`` (out first) without ``check_errors``: NaN on the rows ``status`` reports bad,
         which the kernels do not solve. ``again(x, eps)``: the same call on other scores, for a backend that
         cannot tell the bad rows apart without reading them back."""
-        raise NotImplementedError
 
-    def solve(self, x, mask, eps, k, sorted, tol, max_iter, method, check_errors=True):
-        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
-        out, info, status, _, _, _ = self._launch(forward, x, mask, eps, k, score_bound(x.dtype, k), tol, max_iter)
-        if check_errors:
+    def refused_gradients(self, out: Tensor, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+        """``grads`` with NaN on the rows refused without ``check_errors`` (:func:`refused_gradients`)."""
+        return refused_gradients(out, grads)
+
+    def _forward(self, x, mask, eps, opts, paper=None):
+        forward = self.kernels.forward if opts.sorted else self.kernels.unsorted_forward
+        return self._launch(forward, x, mask, eps, opts.k, score_bound(x.dtype, opts.k), opts.tol, opts.max_iter,
+                            paper)
+
+    def solve(self, x, mask, eps, opts):
+        out, info, status, _, _, _ = self._forward(x, mask, eps, opts)
+        if opts.check_errors:
             self.raise_for_status(status)
             return out, info
-        return self.refusing(status, (out, info), x, mask, eps,
-                             lambda x, eps: self.solve(x, mask, eps, k, sorted, tol, max_iter, method))
+        return self.refusing(status, (out, info), x, mask, eps, lambda x, eps: self.solve(x, mask, eps,
+                                                                                           opts.checked()))
 
-    def solve_paper(self, x, mask, anchor_top, epsilon, k, sorted, tol, max_iter, method, check_errors=True):
-        forward = self.kernels.forward if sorted else self.kernels.unsorted_forward
-        out, info, status, eps, at, slope = self._launch(forward, x, mask, None, k, score_bound(x.dtype, k), tol,
-                                                         max_iter, (anchor_top, epsilon))
-        if check_errors:
+    def solve_paper(self, x, mask, epsilon, opts):
+        out, info, status, eps, at, slope = self._forward(x, mask, None, opts, (opts.anchor_top, epsilon))
+        if opts.check_errors:
             self.raise_for_status(status)
             return out, info, eps, at, slope
         return self.refusing(status, (out, info, eps, at, slope), x, mask, eps,
-                             lambda x, _: self.solve_paper(x, mask, anchor_top, epsilon, k, sorted, tol, max_iter,
-                                                           method))
+                             lambda x, _: self.solve_paper(x, mask, epsilon, opts.checked()))
 
-    def gradients(self, grad_out, out, x, mask, eps, k, sorted, eps_grad, check_errors=True):
-        backward = self.kernels.backward if sorted else self.kernels.unsorted_backward
-        grad_x, grad_eps = self._launch(backward, out, grad_out, x, mask, eps, k, eps_grad)
+    def gradients(self, grad_out, out, x, mask, eps, opts, eps_grad):
+        backward = self.kernels.backward if opts.sorted else self.kernels.unsorted_backward
+        grad_x, grad_eps = self._launch(backward, out, grad_out, x, mask, eps, opts.k, eps_grad)
         grads = grad_x, torch.zeros_like(eps) if grad_eps is None else grad_eps
-        return grads if check_errors else self.refused_gradients(out, grads)
+        return grads if opts.check_errors else self.refused_gradients(out, grads)
 
     def paper_temperature(self, x, mask, anchor_top, epsilon):
         return self._launch(self.kernels.paper_temperature, x, mask, anchor_top, epsilon)  # (-inf: excluded there)
@@ -331,6 +380,14 @@ def solve_without_refused(x: Tensor, mask: Optional[Tensor], eps: Tensor, solve)
     return nan_rows(out, refused), *rest
 
 
+def refused_gradients(out: Tensor, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """``grads`` (each (rows, ...)) with NaN on the rows whose output is NaN: the rows refused without
+    ``check_errors`` (never a solved one), whatever the backward computed from them -- it reads a NaN plan as an
+    empty one."""
+    refused = torch.isnan(out.view(out.shape[0], -1)[:, 0])
+    return tuple(nan_rows(g, refused) for g in grads)
+
+
 def nan_rows(out: Tensor, refused: Tensor) -> Tensor:
     """``out`` (rows, ...) with NaN on the ``refused`` rows."""
     return torch.where(refused.view(-1, *(1,) * (out.dim() - 1)), torch.nan, out)
@@ -343,7 +400,7 @@ def score_bound(dtype: torch.dtype, k: int) -> float:
 
 
 def _raise_for_status(status: int) -> None:
-    """A fused forward's report (``launch.BAD_NAN`` / ``BAD_INF`` / ``BAD_SCALE`` bits)."""
+    """A fused forward's report (``kernel_interface.BAD_NAN`` / ``BAD_INF`` / ``BAD_SCALE`` bits)."""
     if status & BAD_NAN:
         raise BadScoresError(NAN_SCORES)
     if status & BAD_INF:
@@ -361,7 +418,7 @@ def _raise_for_row_status(status: Tensor) -> None:
 def _check_scores(x: Tensor, top: Tensor, all_valid: bool, eps: Tensor, valid: Tensor) -> None:
     """NaN or +inf among the valid scores shows up first in ``top`` (the row's largest valid scores); a NaN
     under the mask is looked for separately (only when something is masked); an infinite temperature is
-    looked at in the same synchronisation, and refused where the row's range overflows (``launch.BAD_SCALE``)."""
+    looked at in the same synchronisation, and refused where the row's range overflows (``kernel_interface.BAD_SCALE``)."""
     first = top[:, 0]
     infinite_eps = ~(eps < torch.inf)
     if bool((torch.isnan(first) | (first == torch.inf) | infinite_eps).any()) or (
@@ -375,7 +432,7 @@ def _check_scores(x: Tensor, top: Tensor, all_valid: bool, eps: Tensor, valid: T
             raise ValueError(BAD_TEMPERATURE)
 
 
-TORCH = Backend()
+TORCH = TorchBackend()
 CPU = CpuBackend()
 TRITON = TritonBackend()
 FUSED = {"cpu": CPU, "triton": TRITON}
@@ -391,7 +448,7 @@ def fall_back(impl: FusedBackend, why: str) -> Backend:
     return TORCH
 
 
-def select(x: Tensor, method: str, backend: str, sorted: bool) -> Backend:
+def select(x: Tensor, method: str, backend: str) -> Backend:
     """The backend that runs this call; raises ValueError / KernelError when a named one cannot."""
     if backend == "torch" or method != "newton":
         return TORCH

@@ -7,7 +7,7 @@ launchers' signatures of ``triton_kernels`` (:func:`forward`, :func:`unsorted_fo
 :func:`unsorted_backward`): the checks, the centre, the temperature (the paper scaling's in the same pass, when
 asked) and the start are found per row in C, which ``backends.Backend.solve`` prepares with tensor operations
 for the PyTorch path; same math as ``solvers.newton_semi_dual`` / ``solvers.newton_sigmoid_root`` and
-``backward.implicit_grad`` / ``backward.sigmoid_grad``. :func:`paper_temperature` computes the paper scaling's
+``implicit_backward.implicit_grad`` / ``implicit_backward.sigmoid_grad``. :func:`paper_temperature` computes the paper scaling's
 temperature alone.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
@@ -27,14 +27,14 @@ from typing import Optional
 
 import torch
 
-from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous, temperature_outputs
+from softtopk_fairseq.ops.kernel_interface import OUT_OF_MEMORY, STATUS_BITS, ensure_contiguous, temperature_outputs
 from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
-# The forwards report a batch's bad rows with launch.STATUS_BITS (bits of their return value; 1 = out of memory).
-# The solver constants come from solvers.py as -D flags (part of the cache key with the other flags), the
-# status bits from here.
+# The forwards report a batch's bad rows and a failed allocation with kernel_interface.STATUS_BITS (bits of their
+# return value), the backwards a failed allocation. The solver constants come from solvers.py as -D flags (part of
+# the cache key with the other flags), the status bits from kernel_interface.py.
 CONSTANTS = {**KERNEL_CONSTANTS, **BACKWARD_KERNEL_CONSTANTS, **UNSORTED_KERNEL_CONSTANTS, "SATURATION": SATURATION,
              **STATUS_BITS}
 # -fno-trapping-math: no floating-point exception is ever unmasked here; it lets gcc turn the selects around
@@ -141,7 +141,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8):
     """The sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask`` (rows, n)
     bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top, epsilon)``, the
     paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info (rows, 2), status --
-    0 or the bits of ``launch.STATUS_BITS`` (a NaN anywhere, +inf on a valid entry, an infinite temperature over
+    0 or the bits of ``kernel_interface.STATUS_BITS`` (a NaN anywhere, +inf on a valid entry, an infinite temperature over
     a range of scores that overflows), for the caller to raise on --, eps, at, slope); ``at`` and ``slope`` are
     None without ``paper``."""
     rows, n = x.shape
@@ -164,41 +164,42 @@ def _forward(entry, out_shape, x, mask, eps, k, bound, tol, max_iter, paper, ext
     status = entry(_ptr(x), _ptr(mask), _ptr(eps), float(bound), _ptr(out), _ptr(info), rows, n, k, float(tol),
                    int(max_iter), *extra, float(anchor_top), float(epsilon), _ptr(at), _ptr(slope),
                    torch.get_num_threads())
-    if status & 1:
-        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    _raise_if_out_of_memory(status)
     return out, info, status, eps, at, slope
 
 
 @ensure_contiguous
 def backward(out, grad_out, x, mask, eps, k, eps_grad):
     """The sorted backward: dL/dx (rows, n) from the output ``out`` (rows, n, k), ``grad_out`` like it, the raw
-    scores ``x`` and ``mask`` of the forward and its temperature ``eps`` (``backward.implicit_grad``, divided by
-    eps); and dL/deps (rows,) when ``eps_grad`` (``backward.temperature_grad``), else None."""
+    scores ``x`` and ``mask`` of the forward and its temperature ``eps`` (``implicit_backward.implicit_grad``, divided by
+    eps); and dL/deps (rows,) when ``eps_grad`` (``implicit_backward.temperature_grad``), else None."""
     rows, n = x.shape
     grad = torch.empty((rows, n), dtype=torch.float32)
     grad_eps = torch.empty((rows,), dtype=torch.float32) if eps_grad else None
     _check(out, grad_out, x, mask, eps)
-    failed = library().soft_topk_sorted_backward(_ptr(out), _ptr(grad_out), _ptr(mask), _ptr(x), _ptr(eps),
-                                                 _ptr(grad), _ptr(grad_eps), rows, n, k, torch.get_num_threads())
-    if failed:
-        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    _raise_if_out_of_memory(library().soft_topk_sorted_backward(
+        _ptr(out), _ptr(grad_out), _ptr(mask), _ptr(x), _ptr(eps), _ptr(grad), _ptr(grad_eps), rows, n, k,
+        torch.get_num_threads()))
     return grad, grad_eps
 
 
 @ensure_contiguous
 def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad):
-    """The unsorted backward: the arguments and results of :func:`backward` (``backward.sigmoid_grad``; ``k``
+    """The unsorted backward: the arguments and results of :func:`backward` (``implicit_backward.sigmoid_grad``; ``k``
     unused, the gradient does not depend on it)."""
     rows, n = out.shape
     grad = torch.empty((rows, n), dtype=torch.float32)
     grad_eps = torch.empty((rows,), dtype=torch.float32) if eps_grad else None
     _check(out, grad_out, mask, eps, x)
-    failed = library().soft_topk_unsorted_backward(_ptr(out), _ptr(grad_out), _ptr(mask), _ptr(eps),
-                                                   _ptr(x) if eps_grad else None, _ptr(grad), _ptr(grad_eps), rows,
-                                                   n, torch.get_num_threads())
-    if failed:
-        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
+    _raise_if_out_of_memory(library().soft_topk_unsorted_backward(
+        _ptr(out), _ptr(grad_out), _ptr(mask), _ptr(eps), _ptr(x) if eps_grad else None, _ptr(grad), _ptr(grad_eps),
+        rows, n, torch.get_num_threads()))
     return grad, grad_eps
+
+
+def _raise_if_out_of_memory(status: int) -> None:
+    if status & OUT_OF_MEMORY:
+        raise MemoryError("soft_topk: the CPU kernel could not allocate its scratch memory")
 
 
 def _check(*tensors) -> None:

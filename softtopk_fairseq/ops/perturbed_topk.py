@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from softtopk_fairseq import defaults
 from softtopk_fairseq.ops.arguments import check_score_values, check_selection, mask_along_last
 
 
@@ -88,7 +89,8 @@ class _PerturbedTopK(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = 0.1, samples: int = 100,
+def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = defaults.EPSILON,
+                   samples: int = defaults.PERTURBED_SAMPLES,
                    sorted: bool = False, largest: bool = True, mask: Optional[Tensor] = None,
                    generator: Optional[torch.Generator] = None, control_variate: bool = True) -> Tensor:
     """Perturbed top-k (see the module docstring): ``E[top-k(x + sigma Z)]`` over ``samples`` Gaussian draws.

@@ -38,15 +38,15 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from softtopk_fairseq.ops import backends
-from softtopk_fairseq.ops import backward as implicit_backward
+from softtopk_fairseq import defaults
+from softtopk_fairseq.ops import backends, implicit_backward
 from softtopk_fairseq.ops.arguments import check_selection, mask_along_last
+from softtopk_fairseq.ops.backends import SolveOptions
 
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
 SCALINGS = ("none", "paper")
-DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
-DEFAULT_MAX_ITER = {"newton": 50, "sinkhorn": 200}
+DEFAULT_TOL = {torch.float32: defaults.TOL_FLOAT32, torch.float64: defaults.TOL_FLOAT64}
 
 
 class SolverInfo(NamedTuple):
@@ -54,8 +54,11 @@ class SolverInfo(NamedTuple):
 
     iterations: Tensor
     error: Tensor  # max relative error of the anchor masses
-    converged: Tensor
+    converged: Tensor  # error <= tol
     temperature: Tensor  # the temperature the row was solved at, in score units (effective_epsilon; detached)
+    # stopped at max_iter unconverged: what check_errors=True warns about (never with tol=0, which asks for
+    # exactly max_iter iterations)
+    capped: Tensor
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -78,24 +81,22 @@ def _with_fallback(backend: str, impl: backends.Backend, call):
         return call(backends.fall_back(impl, str(e)))
 
 
-def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
-           method: str, backend: str, check_errors: bool) -> Tuple[Tensor, Tensor]:
-    impl = backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.solve(x, mask, eps, k, sorted, tol, max_iter, method,
-                                                           check_errors))
+def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions, backend: str) -> Tuple[Tensor, Tensor]:
+    impl = backends.select(x, opts.method, backend)
+    return _with_fallback(backend, impl, lambda b: b.solve(x, mask, eps, opts))
 
 
-def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
-               sorted: bool, backend: str, eps_grad: bool, check_errors: bool) -> Tuple[Tensor, Tensor]:
-    impl = backends.select(x, "newton", backend, sorted)
-    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, mask, eps, k, sorted, eps_grad,
-                                                               check_errors))
+def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions,
+               backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
+    impl = backends.select(x, "newton", backend)
+    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, mask, eps, opts, eps_grad))
 
 
+# The custom op's arguments are what torch.library's schema takes (tensors and scalars): the options spelled out.
 @torch.library.custom_op("softtopk_fairseq::soft_topk", mutates_args=())
 def _soft_topk_op(x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int, sorted: bool, tol: float, max_iter: int,
                   method: str, backend: str, check_errors: bool) -> Tuple[Tensor, Tensor]:
-    return _solve(x, mask, eps, k, sorted, tol, max_iter, method, backend, check_errors)
+    return _solve(x, mask, eps, SolveOptions(k, sorted, tol, max_iter, method, check_errors), backend)
 
 
 @_soft_topk_op.register_fake
@@ -107,7 +108,9 @@ def _(x, mask, eps, k, sorted, tol, max_iter, method, backend, check_errors):
 @torch.library.custom_op("softtopk_fairseq::soft_topk_backward", mutates_args=())
 def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, k: int,
                            sorted: bool, backend: str, eps_grad: bool, check_errors: bool) -> Tuple[Tensor, Tensor]:
-    return _gradients(grad_out, out, x, mask, eps, k, sorted, backend, eps_grad, check_errors)
+    # (tol, max_iter and method do not enter the backward)
+    return _gradients(grad_out, out, x, mask, eps, SolveOptions(k, sorted, 0.0, 0, "newton", check_errors), backend,
+                      eps_grad)
 
 
 @_soft_topk_backward_op.register_fake
@@ -131,56 +134,54 @@ def _backward_fn(ctx, grad_out, grad_info):
 _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
 
 
+def _add_paper_temperature_grad(grad_x: Tensor, grad_eps: Tensor, at: Tensor, slope: Tensor) -> Tensor:
+    """``grad_x`` (rows, n; in place) plus dL/deps * d eps / d x: under the paper scaling the temperature depends
+    on one entry per row, ``at``, with derivative ``slope`` there (:class:`_PaperTemperature`)."""
+    return grad_x.scatter_add_(-1, at.unsqueeze(-1),
+                               implicit_backward.paper_temperature_grad(grad_eps, slope).unsqueeze(-1))
+
+
 class _SoftTopKEager(torch.autograd.Function):
     """The same op in eager mode (see above): ``_solve`` forward, ``_gradients`` backward, with the per-row
     temperature computed in the same node by the same backend (:func:`_solve_with_temperature`). Under the
     paper scaling, d eps / d x has one nonzero entry per row: the backward adds dL/deps * d eps / d x there,
-    in place, instead of a separate autograd node whose backward builds a dense (rows, n) gradient to add."""
+    in place (:func:`_add_paper_temperature_grad`), instead of a separate autograd node."""
 
     @staticmethod
-    def forward(ctx, x, mask, epsilon, scaling, k, sorted, tol, max_iter, method, backend, check_errors):
-        out, info, eps, at, slope = _solve_with_temperature(x, mask, epsilon, scaling, k, sorted, tol, max_iter,
-                                                            method, backend, check_errors)
+    def forward(ctx, x, mask, epsilon, scaling, opts, backend):
+        out, info, eps, at, slope = _solve_with_temperature(x, mask, epsilon, scaling, opts, backend)
         # eps is returned for SolverInfo only: dL/deps * d eps / d x is added by this node's backward.
         ctx.mark_non_differentiable(info, eps)
         ctx.set_materialize_grads(False)  # no zero gradients built for info and eps (two launches per call)
         ctx.save_for_backward(out, x, mask, eps, at, slope)
-        ctx.k, ctx.sorted, ctx.backend, ctx.check_errors = k, sorted, backend, check_errors
+        ctx.opts, ctx.backend = opts, backend
         return out, info, eps
 
     @staticmethod
     def backward(ctx, grad_out, grad_info, grad_eps_reported):
         if grad_out is None:  # not materialised (set_materialize_grads): the loss does not depend on out
-            return (None,) * 11
+            return (None,) * 6
         out, x, mask, eps, at, slope = ctx.saved_tensors
         paper = at is not None
-        grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.k, ctx.sorted, ctx.backend,
-                                      paper, ctx.check_errors)
+        grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.opts, ctx.backend, paper)
         if paper:
-            grad_x.scatter_add_(-1, at.unsqueeze(-1), implicit_backward.paper_temperature_grad(grad_eps, slope)
-                                .unsqueeze(-1))
-        return grad_x, None, None, None, None, None, None, None, None, None, None
+            _add_paper_temperature_grad(grad_x, grad_eps, at, slope)
+        return grad_x, None, None, None, None, None
 
 
-def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, k: int, sorted: bool,
-                            tol: float, max_iter: int, method: str, backend: str, check_errors: bool):
+def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, opts: SolveOptions,
+                            backend: str):
     """The per-row temperature and the op's forward, by one backend: (out, info, eps, at, slope); ``at`` and
     ``slope`` (where the paper scaling's maximal cost sits, d eps / d x there) are None for a constant
     temperature."""
 
     def call(impl: backends.Backend):
         if scaling == "paper":
-            return impl.solve_paper(x, mask, _top_anchor(k, sorted), epsilon, k, sorted, tol, max_iter, method,
-                                    check_errors)
+            return impl.solve_paper(x, mask, epsilon, opts)
         eps = _constant_temperature(x, epsilon)
-        return (*impl.solve(x, mask, eps, k, sorted, tol, max_iter, method, check_errors), eps, None, None)
+        return (*impl.solve(x, mask, eps, opts), eps, None, None)
 
-    return _with_fallback(backend, backends.select(x, method, backend, sorted), call)
-
-
-def _top_anchor(k: int, sorted: bool) -> float:
-    """The top anchor ``K`` of the paper scaling's cost (anchors 0..K): ``k`` sorted, 1 unsorted."""
-    return float(k if sorted else 1)
+    return _with_fallback(backend, backends.select(x, opts.method, backend), call)
 
 
 def _constant_temperature(x: Tensor, epsilon: float) -> Tensor:
@@ -237,9 +238,7 @@ class _PaperTemperature(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_eps):
         at, slope = ctx.saved_tensors
-        grad_at = implicit_backward.paper_temperature_grad(grad_eps, slope)
-        grad_x = grad_eps.new_zeros(ctx.shape).scatter_(-1, at.unsqueeze(-1), grad_at.unsqueeze(-1))
-        return grad_x, None, None, None, None
+        return _add_paper_temperature_grad(grad_eps.new_zeros(ctx.shape), grad_eps, at, slope), None, None, None, None
 
 
 def _row_temperature(x: Tensor, mask: Optional[Tensor], k: int, epsilon: float, sorted: bool, scaling: str,
@@ -249,13 +248,14 @@ def _row_temperature(x: Tensor, mask: Optional[Tensor], k: int, epsilon: float, 
     if scaling != "paper":
         return _constant_temperature(x, epsilon)
     # Under torch.compile the PyTorch version, which dynamo traces (the fused kernels are opaque calls).
-    impl = backends.TORCH if torch.compiler.is_compiling() else backends.select(x, method, backend, sorted)
-    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, mask, _top_anchor(k, sorted),
+    impl = backends.TORCH if torch.compiler.is_compiling() else backends.select(x, method, backend)
+    return _with_fallback(backend, impl, lambda b: _PaperTemperature.apply(x, mask, backends.top_anchor(k, sorted),
                                                                            float(epsilon), b))
 
 
-def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
-                      largest: bool = True, scaling: str = "none", mask: Optional[Tensor] = None) -> Tensor:
+def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = defaults.EPSILON,
+                      sorted: bool = False, largest: bool = True, scaling: str = defaults.OPERATOR_SCALING,
+                      mask: Optional[Tensor] = None) -> Tensor:
     """The temperature, in score units, that :func:`soft_topk` uses for each row (shape of ``scores``
     without ``dim``): ``epsilon`` itself, or with ``scaling="paper"`` ``epsilon * max_cost / 2`` of the row
     (over its valid entries: not ``-inf`` -- ``+inf`` with ``largest=False`` -- and not masked).
@@ -314,9 +314,9 @@ def _row_mask(mask: Optional[Tensor], shape: torch.Size, dim: int) -> Optional[T
     return mask_along_last(mask, shape, dim).reshape(-1, shape[dim]).clone(memory_format=torch.contiguous_format)
 
 
-def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, sorted: bool = False,
-              largest: bool = True, mask: Optional[Tensor] = None, scaling: str = "none",
-              tol: Optional[float] = None, max_iter: Optional[int] = None, method: str = "newton",
+def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = defaults.EPSILON, sorted: bool = False,
+              largest: bool = True, mask: Optional[Tensor] = None, scaling: str = defaults.OPERATOR_SCALING,
+              tol: Optional[float] = None, max_iter: Optional[int] = None, method: str = defaults.SOLVER_METHOD,
               backend: str = "auto", check_errors: bool = True, return_info: bool = False):
     r"""Differentiable top-k indicator of ``scores`` along ``dim`` (see the module docstring for the math).
 
@@ -332,10 +332,11 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
         largest: select the largest (``True``) or the smallest elements, like ``torch.topk``.
         mask: optional bool tensor broadcastable to ``scores``; ``False`` entries are excluded.
         scaling: ``"none"`` or ``"paper"`` (divide the cost by its per-row maximum, as the authors do).
-        tol: stop when every anchor's mass is within ``tol`` (relative) of its target. Default 1e-6 in
-            float32 (also for float16/bfloat16 inputs), 1e-12 in float64.
-        max_iter: iteration cap (default 50 Newton steps; 200 Sinkhorn iterations). A warning is issued
-            when a row hits it unconverged.
+        tol: stop when every anchor's mass is within ``tol`` (relative) of its target. Default:
+            ``defaults.TOL_FLOAT32`` in float32 (also for float16/bfloat16 inputs), ``defaults.TOL_FLOAT64`` in
+            float64.
+        max_iter: iteration cap (default: ``defaults.MAX_ITER`` of the method). A warning is issued when a row
+            hits it unconverged.
         method: ``"newton"`` (damped Newton on the semi-dual, default) or ``"sinkhorn"`` (the paper's
             Algorithm 1 in the log domain; with ``tol=0`` it runs exactly ``max_iter`` iterations).
         backend: ``"auto"`` (fused kernels for float32 tensors -- Triton on CUDA when triton is
@@ -369,7 +370,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     if tol is None:
         tol = DEFAULT_TOL[compute_dtype]
     if max_iter is None:
-        max_iter = DEFAULT_MAX_ITER[method]
+        max_iter = defaults.MAX_ITER[method]
     compiling = torch.compiler.is_compiling()
     if compiling:
         eps = _row_temperature(x, row_mask, k, epsilon, sorted, scaling, backend, method)
@@ -377,8 +378,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
                                   bool(check_errors))
         eps = eps.detach()
     else:
-        out, info, eps = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, k, sorted, float(tol),
-                                              int(max_iter), method, backend, bool(check_errors))
+        opts = SolveOptions(k, sorted, float(tol), int(max_iter), method, bool(check_errors))
+        out, info, eps = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, opts, backend)
     if check_errors and not compiling:
         _warn_if_capped(info, tol, max_iter)
     if sorted:
@@ -390,16 +391,18 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1, so
     if return_info:
         iters = info[:, 0].reshape(batch_shape)
         err = info[:, 1].reshape(batch_shape)
-        return out, SolverInfo(iters, err, err <= tol, eps.reshape(batch_shape))
+        converged = err <= tol
+        capped = (iters >= max_iter) & ~converged if tol > 0 else torch.zeros_like(converged)
+        return out, SolverInfo(iters, err, converged, eps.reshape(batch_shape), capped)
     return out
 
 
 class SoftTopK(nn.Module):
     """``nn.Module`` wrapper of :func:`soft_topk` with fixed ``k``, ``epsilon`` and options."""
 
-    def __init__(self, k: int, epsilon: float = 0.1, *, dim: int = -1, sorted: bool = False,
-                 largest: bool = True, scaling: str = "none", tol: Optional[float] = None,
-                 max_iter: Optional[int] = None, method: str = "newton", backend: str = "auto"):
+    def __init__(self, k: int, epsilon: float = defaults.EPSILON, *, dim: int = -1, sorted: bool = False,
+                 largest: bool = True, scaling: str = defaults.OPERATOR_SCALING, tol: Optional[float] = None,
+                 max_iter: Optional[int] = None, method: str = defaults.SOLVER_METHOD, backend: str = "auto"):
         super().__init__()
         self.k, self.epsilon, self.dim, self.sorted, self.largest = k, epsilon, dim, sorted, largest
         self.scaling, self.tol, self.max_iter, self.method, self.backend = scaling, tol, max_iter, method, backend

@@ -1,6 +1,6 @@
 /* Fused CPU kernels for SOFT top-k: the whole Newton solve of a row in one call, and the closed-form
  * backward. The CPU counterpart of triton_kernels.py, with the same inputs and the same math as
- * solvers.newton_semi_dual / backward.implicit_grad (see their docstrings); only the schedule differs:
+ * solvers.newton_semi_dual / implicit_backward.implicit_grad (see their docstrings); only the schedule differs:
  * one OpenMP task per row, the row's scores streamed in blocks of BLOCK elements per evaluation, the
  * plan never stored, anchor masses and P^T P accumulated in double, the small Newton system solved in
  * double. Compiled and loaded by cpu_kernels.py (gcc -O3 -march=native -fopenmp).
@@ -21,10 +21,10 @@
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
 /* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, PLAN_FLOOR,
  * SATURATION, LOG_STEP_FRACTION) are defined once, in solvers.py, and handed to this file as -D flags by
- * cpu_kernels.py, with the status bits of the forwards (BAD_NAN, BAD_INF, BAD_SCALE: launch.py). */
+ * cpu_kernels.py, with the status bits (OUT_OF_MEMORY, BAD_NAN, BAD_INF, BAD_SCALE: kernel_interface.py). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
     || !defined(RIDGE_ULPS) || !defined(PLAN_FLOOR) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) \
-    || !defined(BAD_NAN) || !defined(BAD_INF) || !defined(BAD_SCALE)
+    || !defined(OUT_OF_MEMORY) || !defined(BAD_NAN) || !defined(BAD_INF) || !defined(BAD_SCALE)
 #error "compile with the -D flags of cpu_kernels.py (cpu_kernels.CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
@@ -308,8 +308,8 @@ static void free_workspace(workspace *w) {
 
 /* Run fn(r, scratch, ctx) for every row over `threads` OpenMP threads, each with its own scratch. Rows differ
  * in their number of iterations: they are handed out dynamically, in chunks big enough that many short rows
- * do not queue on the scheduler, small enough that a few long rows spread. Returns 1 when a thread could
- * not allocate its scratch (its rows are then not done). Every thread takes part in the loop either way:
+ * do not queue on the scheduler, small enough that a few long rows spread. Returns OUT_OF_MEMORY when a
+ * thread could not allocate its scratch (its rows are then not done), else 0. Every thread takes part in the loop either way:
  * a worksharing loop must be met by the whole team. */
 typedef void (*row_fn)(int64_t r, workspace *w, const void *ctx);
 
@@ -327,7 +327,7 @@ static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn
                 fn(r, &w, ctx);
             } else {
 #pragma omp atomic write
-                failed = 1;
+                failed = OUT_OF_MEMORY;
             }
         }
         if (ok) free_workspace(&w);
@@ -357,7 +357,7 @@ static void output_block(const float *out, const float *gout, const float *x, co
     }
 }
 
-/* dL/dx of one row of the sorted operator (backward.implicit_grad, divided by eps). */
+/* dL/dx of one row of the sorted operator (implicit_backward.implicit_grad, divided by eps). */
 static void backward_row(const float *out, const float *gout, const float *x, const uint8_t *mask, int64_t n, int k,
                          const float *y, int ma, int rest_on, float eps, int mp, float *grad, workspace *w) {
     double *s = w->d;
@@ -403,7 +403,7 @@ static void backward_row(const float *out, const float *gout, const float *x, co
     if (wp != wl) free(wp);
 }
 
-/* dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid entries of a row (backward.temperature_grad),
+/* dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid entries of a row (implicit_backward.temperature_grad),
  * from sum_i grad_i d_i, sum_i grad_i, sum_i d_i and their count with d_i = x_i - x_ref: x_ref, a valid score of
  * the row (reference_score), keeps a large common offset of the scores from cancelling in the sums. */
 static inline float temperature_grad_from_sums(double gx, double gs, double xs, int64_t count, float eps) {
@@ -459,12 +459,12 @@ static void sorted_backward_task(int64_t r, workspace *w, const void *ctx) {
 
 /* dL/dx of the sorted operator from its output (rows, n, k), the upstream gradient like it, the raw scores x and
  * the caller's mask (or NULL) of the forward and its temperature; dL/deps too unless grad_eps is NULL. Returns
- * 1 when scratch memory could not be allocated. */
+ * OUT_OF_MEMORY when scratch memory could not be allocated, else 0. */
 int soft_topk_sorted_backward(const float *out, const float *gout, const uint8_t *mask, const float *x,
                               const float *eps, float *grad, float *grad_eps, int64_t rows, int64_t n, int k,
                               int threads) {
     float *y = malloc(sizeof(float) * (k + 1));
-    if (!y) return 1;
+    if (!y) return OUT_OF_MEMORY;
     for (int l = 0; l <= k; l++) y[l] = (float)(k - l) - 0.5f * (float)k;  /* solvers.centred_anchors */
     sorted_backward_args a = {out, gout, x, eps, y, mask, grad, grad_eps, n, k};
     int failed = parallel_rows(rows, n, k + 1, threads, sorted_backward_task, &a);
@@ -715,7 +715,7 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
  * operations for the PyTorch path, done per row (valid: not -inf, and mask true where the caller gives a
  * mask): the checks, the top-(k+1) valid scores, the centre x_(k), the temperature, the normalisation and the
  * start, then the solve. A NaN anywhere in the row, +inf on a valid entry, or an infinite temperature with a
- * range of scores that overflows (launch.py) sets a flag in *status (BAD_NAN / BAD_INF / BAD_SCALE) and leaves
+ * range of scores that overflows (kernel_interface.py) sets a flag in *status (BAD_NAN / BAD_INF / BAD_SCALE) and leaves
  * the row unsolved: the caller raises. */
 #define TOP_ON_STACK 64
 #define SHORT_ROW 256      /* rows up to this length take the branchless top-(k+1) ... */
@@ -848,7 +848,7 @@ static void select_kth_pair(const float *x, const uint8_t *mask, int64_t n, int 
 }
 
 /* An infinite (or NaN) temperature normalises every score to 0 -- the eps -> inf limit -- except where the
- * row's range hi - lo overflows too: inf / inf (launch.py's BAD_SCALE). */
+ * row's range hi - lo overflows too: inf / inf (kernel_interface.py's BAD_SCALE). */
 static inline int overflowing_scale(float eps, float hi, float lo) { return !(eps < INFINITY) && hi - lo == INFINITY; }
 
 /* A row's preparation shared by both forwards: scan_row into top (kk = min(k + 1, n) entries; with keys, the
@@ -900,7 +900,7 @@ static float *top_buffer(const forward_args *a, float *stack) {
     float *top = kk <= TOP_ON_STACK ? stack : malloc(sizeof(float) * kk);
     if (!top) {
 #pragma omp atomic update
-        *a->status |= 1;
+        *a->status |= OUT_OF_MEMORY;
     }
     return top;
 }
@@ -1188,8 +1188,8 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
 }
 
 /* dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) on the valid elements
- * (backward.sigmoid_grad): tau's dependence on x gives the second term. With x given, also
- * dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid elements (backward.temperature_grad). */
+ * (implicit_backward.sigmoid_grad): tau's dependence on x gives the second term. With x given, also
+ * dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid elements (implicit_backward.temperature_grad). */
 typedef struct {
     const float *out, *gout, *eps, *x;
     const uint8_t *mask;

@@ -20,13 +20,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from softtopk_fairseq import defaults
 from softtopk_fairseq.ops.arguments import check_score_values, check_selection, mask_along_last
 from softtopk_fairseq.ops.backends import valid_entries
 from softtopk_fairseq.ops.soft_topk import SCALINGS, divide_by_temperature, effective_epsilon
 
 
-def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = 0.1,
-                    mask: Optional[Tensor] = None, scaling: str = "none") -> Tensor:
+def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = defaults.EPSILON,
+                    mask: Optional[Tensor] = None, scaling: str = defaults.OPERATOR_SCALING) -> Tensor:
     """Sorted top-k relaxed by ``k`` successive softmaxes; output ``scores.shape + (k,)`` (ranks last,
     ``dim`` keeps its place), ``A[..., i, l]`` = soft indicator that element ``i`` has rank ``l``.
 

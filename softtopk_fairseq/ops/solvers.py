@@ -28,7 +28,7 @@ paper's :math:`\mathcal K` (App. H). :func:`sinkhorn` is the paper's Algorithm 1
 reference. Both return the plan ``P`` and per-row ``(iterations, marginal error)``.
 
 Plans are stored anchors-first, ``P[r, l, i]`` of shape (rows, m, n): the softmax over the few anchors then
-runs across contiguous slices (15x faster on CPU than over a last dimension of size k+1).
+runs across contiguous slices (far faster on CPU than over a last dimension of size k+1).
 """
 import math
 from typing import NamedTuple, Optional, Tuple
@@ -139,7 +139,7 @@ def _logits(u: Tensor, t: Tensor) -> Tensor:
         h = torch.cat([-torch.flip(torch.cumsum(torch.flip(tf, [-1]), -1), [-1]), t.new_zeros(rows, 1)], -1)
         active = torch.cat([torch.ones_like(off[:, :1]), ~off], -1)
         h = torch.where(active, h, torch.full_like(h, -torch.inf))
-        # mul + add_ rather than addcmul: the ternary broadcasting kernel is 4-5x slower on CPU.
+        # mul + add_ rather than addcmul: the ternary broadcasting kernel is several times slower on CPU.
         return (u.unsqueeze(-2) * y.view(1, m, 1)).add_(h.unsqueeze(-1))
     diffs = (t.unsqueeze(-1) - u.unsqueeze(-2)).clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)  # (rows, m-1, n)
     if bool(off.any()):

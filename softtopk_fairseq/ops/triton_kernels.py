@@ -5,11 +5,11 @@ the one of ``solvers.py`` / ``backward.py`` and the schedule the one of the C ke
 same threshold parameterisation, same two starting points, same damping rule (trust region of ``MAX_STEP`` on
 the potentials, then halving, accepted when the marginal error drops), same Hessian and ridge. The solver
 constants are ``solvers.KERNEL_CONSTANTS`` (and ``BACKWARD_KERNEL_CONSTANTS``, ``SATURATION``), and the status
-bits ``launch.STATUS_BITS``, passed in as constexpr arguments (never restated here).
+bits ``kernel_interface.REFUSAL_BITS``, passed in as constexpr arguments (never restated here).
 
 * sorted forward (:func:`forward`): one program per row. It streams the row's raw scores to find what
   ``backends.Backend.solve`` prepares with a few dozen tensor operations -- the valid entries (not ``-inf``,
-  not masked), bad scores (a status, ``launch.STATUS_BITS``), the paper scaling's temperature, the
+  not masked), bad scores (a status, ``kernel_interface.REFUSAL_BITS``), the paper scaling's temperature, the
   top-(k+1) valid scores (one pass per distinct value), the centre x_(k), the anchor masses and the
   hard-assignment thresholds -- then keeps the thresholds (anchor axis padded to ``MP``), the anchor masses
   ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each Newton evaluation streams the scores once in
@@ -17,7 +17,7 @@ bits ``launch.STATUS_BITS``, passed in as constexpr arguments (never restated he
   never stored); the ``m x m`` system is solved in registers by Gauss-Jordan elimination. A last pass writes
   the output.
 * sorted backward (:func:`backward`): three streaming passes per row -- the valid count, then ``v`` and ``M``,
-  then the gradient (and dL/deps, ``backward.temperature_grad``, in the same pass).
+  then the gradient (and dL/deps, ``implicit_backward.temperature_grad``, in the same pass).
 * unsorted forward (:func:`unsorted_forward`): one program per row, from the raw scores too, as the C unsorted
   kernel: the same scan (valid entries, status bits, extremes, the paper temperature), the centre x_(k) and
   the next score by a bisection on the scores' order (32 passes whatever k is), the start
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from softtopk_fairseq.ops.launch import STATUS_BITS, ensure_contiguous, temperature_outputs
+from softtopk_fairseq.ops.kernel_interface import REFUSAL_BITS, ensure_contiguous, temperature_outputs
 from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
@@ -194,7 +194,7 @@ def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_p
                           HAS_MASK: tl.constexpr, PAPER: tl.constexpr, BLOCK_N: tl.constexpr, BAD_NAN: tl.constexpr,
                           BAD_INF: tl.constexpr, BAD_SCALE: tl.constexpr):
     """A forward's first pass over its row (:func:`_row_scan`): with ``PAPER`` the paper scaling's temperature
-    (stores eps, at, slope), else reads eps; stores the row's status bits (``launch.STATUS_BITS``: a NaN, +inf
+    (stores eps, at, slope), else reads eps; stores the row's status bits (``kernel_interface.REFUSAL_BITS``: a NaN, +inf
     on a valid entry, an infinite temperature with a range of scores that overflows); returns (n_valid, status,
     the largest and the smallest valid score, eps)."""
     n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
@@ -339,8 +339,8 @@ def _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HA
 def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n, k,
                               HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, MP: tl.constexpr,
                               BLOCK_N: tl.constexpr, RIDGE_ULPS: tl.constexpr, PLAN_FLOOR: tl.constexpr):
-    """dL/dx of the sorted operator from its output (backward.implicit_grad, divided by eps), and with
-    ``EPS_GRAD`` dL/deps (backward.temperature_grad), for one row."""
+    """dL/dx of the sorted operator from its output (implicit_backward.implicit_grad, divided by eps), and with
+    ``EPS_GRAD`` dL/deps (implicit_backward.temperature_grad), for one row."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
     n_valid = tl.zeros((), dtype=tl.int32)
@@ -545,8 +545,8 @@ def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, an
 @triton.jit
 def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n,
                                        HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (backward.sigmoid_grad), over the valid
-    entries of the raw scores x; with ``EPS_GRAD`` also dL/deps (backward.temperature_grad)."""
+    """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (implicit_backward.sigmoid_grad), over the valid
+    entries of the raw scores x; with ``EPS_GRAD`` also dL/deps (implicit_backward.temperature_grad)."""
     row = tl.program_id(0)
     num = tl.zeros((), dtype=tl.float32)
     den = tl.zeros((), dtype=tl.float32)
@@ -591,8 +591,8 @@ def block_n(n: int, mp: int) -> int:
 
 
 def warps_for(block: int, mp: int) -> int:
-    """Warps per program: 8 once the (BLOCK_N, MP, MP) tile reaches 16K values (measured on an H100: the beam
-    shape's forward 4.4 -> 3.7 ms, backward 0.78 -> 0.51 ms; benchmarks/triton_tuning.py), else 4."""
+    """Warps per program: 8 once the (BLOCK_N, MP, MP) tile reaches 16K values (faster at the beam shape on an
+    H100: docs/results/gpu.md, ``scripts/gpu/triton_tuning.py``), else 4."""
     return 8 if block * mp * mp >= 16384 else 4
 
 
@@ -601,7 +601,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, b
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
     (rows, n) bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top,
     epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info
-    (rows, 2), status (rows,) int32 -- ``launch.STATUS_BITS`` --, eps, at, slope); ``at`` and
+    (rows, 2), status (rows,) int32 -- ``kernel_interface.REFUSAL_BITS`` --, eps, at, slope); ``at`` and
     ``slope`` are None without ``paper``. ``block``/``num_warps``: launch parameters (default:
     :func:`block_n`, :func:`warps_for`)."""
     rows, n = x.shape
@@ -615,7 +615,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, b
         x, mask if mask is not None else x, eps, at if at is not None else info,
         slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
         int(max_halvings), float(anchor_top), float(epsilon), HAS_MASK=mask is not None, PAPER=paper is not None,
-        MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), SATURATION=SATURATION, **STATUS_BITS,
+        MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), SATURATION=SATURATION, **REFUSAL_BITS,
         **KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
 
@@ -654,7 +654,7 @@ def unsorted_forward(x, mask, eps, k, bound, tol, max_iter, paper=None):
         x, mask if mask is not None else x, eps, at if at is not None else info, slope if slope is not None else info,
         out, info, status, n, k, float(bound), float(tol), int(max_iter), float(anchor_top), float(epsilon),
         HAS_MASK=mask is not None, PAPER=paper is not None, BLOCK_N=unsorted_block(n), SATURATION=SATURATION,
-        **STATUS_BITS, **UNSORTED_KERNEL_CONSTANTS)
+        **REFUSAL_BITS, **UNSORTED_KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
 
 

@@ -26,10 +26,12 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import softtopk_fairseq
+from softtopk_fairseq import defaults
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 from softtopk_fairseq.pipeline import text, toy_corpus, trained, workdir
 
@@ -70,6 +72,17 @@ ARCH_ARGS: Dict[str, Dict[str, List[str]]] = {
 # (facebookresearch/fairseq#5036). A multiple of 1 keeps every sentence.
 KEEP_LAST_BATCH = ["--required-batch-size-multiple", "1"]
 
+# Warnings that fairseq 0.12 and its hydra set-up raise on every run under current PyTorch -- about their own use
+# of deprecated APIs, nothing a user of the pipeline can act on --, filtered in the fairseq processes by category
+# and the exact module that raises them (PYTHONWARNINGS; everything else, ours included, still shows).
+QUIET_WARNINGS = (
+    "ignore::UserWarning:hydra.experimental.initialize", "ignore::UserWarning:hydra.experimental.compose",
+    "ignore::UserWarning:hydra.core.default_element", "ignore::UserWarning:hydra.compose",
+    "ignore::UserWarning:hydra._internal.defaults_list", "ignore::UserWarning:runpy",
+    "ignore::UserWarning:torch.utils.data.dataloader", "ignore::FutureWarning:fairseq.tasks.fairseq_task",
+    "ignore::FutureWarning:fairseq.checkpoint_utils", "ignore::FutureWarning:fairseq.trainer",
+)
+
 
 def option(default=MISSING, *, help: str, default_factory=MISSING, **argparse_options):
     """A :class:`Config` field and its command-line flag: the default written once, here; ``help`` and any other
@@ -108,14 +121,20 @@ class Config:
     finetune_updates: int = option(100, help="updates of each fine-tuning run from the teacher-forcing checkpoint "
                                              "(0: skip)")
     finetune_lr: float = option(1e-4, help="constant learning rate of the fine-tuning")
-    teacher_forcing_ratio: float = option(0.8, help="rho of the soft beam search run")
-    soft_beam_size: int = option(5, help="beam size of the soft beam search run")
-    soft_topk_epsilon: float = option(0.1, help="its SOFT top-k temperature")
-    soft_topk_scaling: str = option("paper", choices=SCALINGS, help="normalisation of the soft beam search's OT "
-                                                                    "cost (see --soft-topk-scaling of the criterion)")
+    teacher_forcing_ratio: float = option(defaults.TEACHER_FORCING_RATIO, help="rho of the soft beam search run")
+    soft_beam_size: int = option(defaults.BEAM, help="beam size of the soft beam search run")
+    soft_beam_epsilon: float = option(defaults.EPSILON, help="its SOFT top-k temperature (the criterion's "
+                                                             "--soft-beam-epsilon)")
+    soft_beam_scaling: str = option(defaults.SEARCH_SCALING, choices=SCALINGS,
+                                    help="normalisation of its OT cost (the criterion's --soft-beam-scaling)")
+    # (the demo prunes to 50 candidates, for speed; the criterion's own default is exact)
     soft_beam_candidates: int = option(50, help="candidates kept per sentence before the soft top-k (0: all k*V)")
-    topk_attn_k: int = option(4, help="keys per query of the top-k attention run")
-    topk_attn_epsilon: float = option(0.1, help="its SOFT top-k temperature")
+    topk_attn_k: int = option(defaults.TOPK_ATTN_K, help="keys per query of the top-k attention run")
+    topk_attn_epsilon: float = option(defaults.EPSILON, help="its SOFT top-k temperature")
+
+
+# The pipeline's flags of version 0.1 -> their names now: still accepted, with a one-time FutureWarning.
+FLAG_ALIASES = {"--soft-topk-epsilon": "--soft-beam-epsilon", "--soft-topk-scaling": "--soft-beam-scaling"}
 
 
 class Stage:
@@ -165,27 +184,43 @@ def fairseq_cmd(tool: str) -> List[str]:
     return [sys.executable, "-m", f"fairseq_cli.{tool}"]
 
 
+def quiet_warnings_env(env: Optional[dict] = None) -> dict:
+    """``env`` (default: this process's) with :data:`QUIET_WARNINGS` added to any ``PYTHONWARNINGS`` it has."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS", ""), *QUIET_WARNINGS]))
+    return env
+
+
 def subprocess_env(cfg: Config) -> dict:
-    env = dict(os.environ)
-    env.setdefault("PYTHONWARNINGS", "ignore")
+    env = quiet_warnings_env()
     if cfg.threads > 0:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
     return env
 
 
-def prepare_raw(cfg: Config, raw_dir: str) -> Dict[str, str]:
-    """Write (or link) the raw splits into ``raw_dir``; return split name -> prefix."""
-    os.makedirs(raw_dir, exist_ok=True)
+def _given_splits(cfg: Config) -> Dict[str, str]:
+    """The raw splits the options name (split -> prefix); empty for the generated toy corpus. SystemExit unless
+    --train, --valid and --test are given together."""
     splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
-    prefixes = {}
     if not any(splits.values()):
-        for (split, n), seed in zip(zip(splits, cfg.toy_sizes), (cfg.seed, cfg.seed + 1000, cfg.seed + 2000)):
-            toy_corpus.write_split(os.path.join(raw_dir, split), n, seed, (cfg.src, cfg.tgt))
-            prefixes[split] = os.path.join(raw_dir, split)
-        return prefixes
+        return {}
     missing = [name for name, prefix in splits.items() if not prefix]
     if missing:
         raise SystemExit(f"give --train, --valid and --test together (missing: {', '.join(missing)})")
+    return splits
+
+
+def prepare_raw(cfg: Config, raw_dir: str) -> Dict[str, str]:
+    """Write (or link) the raw splits into ``raw_dir``; return split name -> prefix."""
+    os.makedirs(raw_dir, exist_ok=True)
+    splits = _given_splits(cfg)
+    prefixes = {}
+    if not splits:
+        for (split, n), seed in zip(zip(("train", "valid", "test"), cfg.toy_sizes),
+                                    (cfg.seed, cfg.seed + 1000, cfg.seed + 2000)):
+            toy_corpus.write_split(os.path.join(raw_dir, split), n, seed, (cfg.src, cfg.tgt))
+            prefixes[split] = os.path.join(raw_dir, split)
+        return prefixes
     for split, prefix in splits.items():
         for lang in (cfg.src, cfg.tgt):
             if not os.path.exists(f"{prefix}.{lang}"):
@@ -236,17 +271,26 @@ def binarize(bpe_dir: str, bin_dir: str, src: str, tgt: str, log_path: str, work
     )
 
 
-def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
+TF_CRITERION = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+
+
+def _base_train_args(cfg: Config, bin_dir: str, save_dir: str, updates: int, log_interval: int) -> List[str]:
+    """What every fairseq-train run of the pipeline shares: data, plugin, model size, optimizer, batches,
+    checkpoints and logs, ``updates`` updates."""
     return [
-        bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed),
-        *ARCH_ARGS[cfg.arch][cfg.size],
+        bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed), *ARCH_ARGS[cfg.arch][cfg.size],
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
-        "--lr", str(cfg.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(cfg.warmup),
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", str(cfg.max_tokens), "--max-update", str(cfg.max_update),
+        "--max-tokens", str(cfg.max_tokens), "--max-update", str(updates),
         "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates", "0",
-        "--log-format", "simple", "--log-interval", "50", "--num-workers", "0", *KEEP_LAST_BATCH,
+        "--log-format", "simple", "--log-interval", str(log_interval), "--num-workers", "0", *KEEP_LAST_BATCH,
     ]
+
+
+def train_args(cfg: Config, bin_dir: str, save_dir: str) -> List[str]:
+    """The teacher-forcing training: inverse-sqrt schedule with warm-up."""
+    return [*_base_train_args(cfg, bin_dir, save_dir, cfg.max_update, 50),
+            "--lr", str(cfg.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(cfg.warmup),
+            *TF_CRITERION]
 
 
 def finetune_args(cfg: Config, bin_dir: str, restore: Optional[str], save_dir: str,
@@ -257,14 +301,8 @@ def finetune_args(cfg: Config, bin_dir: str, restore: Optional[str], save_dir: s
     resume the fine-tuning itself from its own ``checkpoint_last.pt`` in ``save_dir``."""
     start = [] if restore is None else ["--restore-file", restore, "--reset-optimizer", "--reset-lr-scheduler",
                                         "--reset-meters", "--reset-dataloader"]
-    return [
-        bin_dir, "--user-dir", USER_DIR, "--cpu", "--seed", str(cfg.seed), *ARCH_ARGS[cfg.arch][cfg.size],
-        *start, "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
-        "--lr", str(cfg.finetune_lr), "--lr-scheduler", "fixed", *run_args,
-        "--max-tokens", str(cfg.max_tokens), "--max-update", str(cfg.finetune_updates),
-        "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates", "0",
-        "--log-format", "simple", "--log-interval", "10", "--num-workers", "0", *KEEP_LAST_BATCH,
-    ]
+    return [*_base_train_args(cfg, bin_dir, save_dir, cfg.finetune_updates, 10), *start,
+            "--lr", str(cfg.finetune_lr), "--lr-scheduler", "fixed", *run_args]
 
 
 TOPK_ATTN_ARCH = {"transformer": "transformer_topk_attn", "lstm": "lstm_topk_attn"}
@@ -273,10 +311,10 @@ TOPK_ATTN_ARCH = {"transformer": "transformer_topk_attn", "lstm": "lstm_topk_att
 def finetune_runs(cfg: Config) -> Dict[str, Tuple[str, List[str]]]:
     """Run key -> (row name, fairseq-train arguments) of the fine-tuning comparison."""
     n = cfg.finetune_updates
-    tf = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    tf = TF_CRITERION
     soft = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1",
             "--teacher-forcing-ratio", str(cfg.teacher_forcing_ratio), "--soft-beam-size", str(cfg.soft_beam_size),
-            "--soft-topk-epsilon", str(cfg.soft_topk_epsilon), "--soft-topk-scaling", cfg.soft_topk_scaling,
+            "--soft-beam-epsilon", str(cfg.soft_beam_epsilon), "--soft-beam-scaling", cfg.soft_beam_scaling,
             "--soft-beam-candidates", str(cfg.soft_beam_candidates)]
     # The top-k attention layers have the stock layers' parameters, so the softmax checkpoint loads into them.
     topk = ["--arch", TOPK_ATTN_ARCH[cfg.arch], "--topk-attn-k", str(cfg.topk_attn_k),
@@ -284,7 +322,7 @@ def finetune_runs(cfg: Config) -> Dict[str, Tuple[str, List[str]]]:
     return {
         "tf": (f"+ {n} teacher forcing", tf),
         "soft_beam": (f"+ {n} soft beam search (rho {cfg.teacher_forcing_ratio}, beam {cfg.soft_beam_size}, "
-                      f"eps {cfg.soft_topk_epsilon} {cfg.soft_topk_scaling} scaling, M {cfg.soft_beam_candidates})",
+                      f"eps {cfg.soft_beam_epsilon} {cfg.soft_beam_scaling} scaling, M {cfg.soft_beam_candidates})",
                       soft),
         "topk_attn": (f"+ {n} teacher forcing, SOFT top-k attention (k {cfg.topk_attn_k}, "
                       f"eps {cfg.topk_attn_epsilon})", topk),
@@ -354,7 +392,7 @@ def option_problems(cfg: Config) -> List[str]:
         problems.append(f"--beams must be one or more distinct beam sizes >= 1, got {cfg.beams}")
     problems += config_problems(SoftBeamSearchConfig(
         sentence_avg=False, teacher_forcing_ratio=cfg.teacher_forcing_ratio, soft_beam_size=cfg.soft_beam_size,
-        soft_topk_epsilon=cfg.soft_topk_epsilon, soft_topk_scaling=cfg.soft_topk_scaling,
+        soft_beam_epsilon=cfg.soft_beam_epsilon, soft_beam_scaling=cfg.soft_beam_scaling,
         soft_beam_candidates=cfg.soft_beam_candidates))
     problems += topk_option_problems(cfg.topk_attn_k, cfg.topk_attn_epsilon)
     return problems
@@ -362,12 +400,9 @@ def option_problems(cfg: Config) -> List[str]:
 
 def _inputs(cfg: Config) -> List[str]:
     """The raw files the run reads (none for the generated toy corpus), after checking every one of them."""
-    splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
-    if not any(splits.values()):
+    splits = _given_splits(cfg)
+    if not splits:
         return []
-    missing = [name for name, prefix in splits.items() if not prefix]
-    if missing:
-        raise SystemExit(f"give --train, --valid and --test together (missing: {', '.join(missing)})")
     workdir.check_inputs(splits, (cfg.src, cfg.tgt), cfg.max_lines)
     return [f"{prefix}.{lang}" for prefix in splits.values() for lang in (cfg.src, cfg.tgt)]
 
@@ -528,8 +563,25 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
                 options["help"] += f" (default: {shown})"
         value = default[0] if isinstance(default, list) else default
         options.setdefault("type", str if value is None else type(value))
-        p.add_argument("--" + f.name.replace("_", "-"), default=default, **options)
+        flag = "--" + f.name.replace("_", "-")
+        old = [alias for alias, name in FLAG_ALIASES.items() if name == flag]
+        if old:
+            options.update(action=_OldFlagName, help=options["help"] + f" (its old name {', '.join(old)} works too)")
+        p.add_argument(flag, *old, default=default, **options)
     return Config(**vars(p.parse_args(argv)))
+
+
+class _OldFlagName(argparse.Action):
+    """Stores the value; given by its old name (:data:`FLAG_ALIASES`), also warns that it is (once per name)."""
+
+    warned = set()
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in FLAG_ALIASES and option_string not in self.warned:
+            self.warned.add(option_string)
+            warnings.warn(f"{option_string} is the old name of {FLAG_ALIASES[option_string]}; it will be removed",
+                          FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 SUBCOMMANDS = ("translate", "score")  # using a finished workdir (trained.py); anything else runs the pipeline

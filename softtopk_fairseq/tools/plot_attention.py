@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from softtopk_fairseq.modules.topk_attention import MODES
+from softtopk_fairseq.modules import relaxations
 
 
 def load(path: str, data: str):
@@ -64,8 +64,8 @@ def attention_maps(model, task, src, tgt, modes: List[str]) -> Dict[str, torch.T
     return maps
 
 
-TITLES = {"softmax": "softmax attention", "soft": "SOFT top-k attention", "hard": "hard top-k attention",
-          "perturbed": "perturbed top-k attention (one draw)"}  # a panel's title, by mode (modules' MODES)
+TITLES = {"softmax": "softmax attention", "soft_topk": "SOFT top-k attention", "hard_topk": "hard top-k attention",
+          "perturbed": "perturbed top-k attention (one draw)"}  # a panel's title, by attention mode
 
 
 def plot(maps: Dict[str, torch.Tensor], src_tokens: List[str], tgt_tokens: List[str], out: str) -> None:
@@ -97,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
     p.add_argument("--index", type=int, default=0, help="sentence id in --subset")
     p.add_argument("--source", help="a source sentence instead of --subset/--index (model tokens)")
     p.add_argument("--target", help="its target sentence (model tokens)")
-    p.add_argument("--modes", nargs="+", default=["softmax", "soft", "hard"], choices=MODES,
+    p.add_argument("--modes", nargs="+", default=["softmax", "soft_topk", "hard_topk"], choices=relaxations.names("attention"),
                    help="panels, one per attention mode (perturbed: one random draw)")
     p.add_argument("--out", default="attention.png")
     a = p.parse_args(argv)
