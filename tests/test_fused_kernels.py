@@ -360,17 +360,21 @@ def test_cpu_kernels_on_hard_inputs(sorted, case):
 
 
 def test_auto_uses_the_cpu_kernels_for_float32(monkeypatch):
+    """float32 on CPU: the C kernels -- the unsorted operator without a mask through its fused fast path, with a
+    mask through the backend interface --; float64 and Sinkhorn: the PyTorch path."""
     calls = []
-    for name in ("forward", "unsorted_forward"):
+    for name in ("forward", "unsorted_forward", "unsorted_fused_forward"):
         real = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = torch.randn(3, 20)
     soft_topk(x, 3, sorted=True)
     soft_topk(x, 3, sorted=False)
-    assert calls == ["forward", "unsorted_forward"]
+    soft_topk(x, 3, sorted=False, mask=x > -1)
+    assert calls == ["forward", "unsorted_fused_forward", "unsorted_forward"]
     soft_topk(x.double(), 3, sorted=True)   # float64: the PyTorch path
     soft_topk(x, 3, sorted=True, method="sinkhorn")
-    assert calls == ["forward", "unsorted_forward"]
+    soft_topk(x, 3, sorted=False, backend="torch")
+    assert calls == ["forward", "unsorted_fused_forward", "unsorted_forward"]
 
 
 def test_cpu_backend_on_cuda_tensors_is_a_clear_error():
@@ -576,6 +580,8 @@ def test_topk_attention_model_on_the_fused_backend_matches_the_torch_path(backen
     calls = []
     real = backends.select
     monkeypatch.setattr(backends, "select", lambda *a: (lambda impl: calls.append(impl.name) or impl)(real(*a)))
+    fused = cpu_kernels.unsorted_fused_forward  # the C kernels' fast path (unsorted, no mask): no select
+    monkeypatch.setattr(cpu_kernels, "unsorted_fused_forward", lambda *a: calls.append("cpu") or fused(*a))
     d = dictionary(12)
     device = _device(backend)
     ni = {k: v.to(device) for k, v in batch(d)["net_input"].items()}

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from softtopk_fairseq.ops import cpu_kernels, implicit_backward, solvers
 from softtopk_fairseq.ops.arguments import BadScoresError, nan_scores, selected_infinity
-from softtopk_fairseq.ops.kernel_interface import BAD_INF, BAD_NAN, BAD_SCALE
+from softtopk_fairseq.ops.kernel_interface import BAD_INF, BAD_NAN, BAD_SCALE, REFUSED
 
 NAMES = ("auto", "torch", "triton", "cpu")
 NAN_SCORES = nan_scores("soft_topk")
@@ -306,7 +306,7 @@ class CpuBackend(FusedBackend):
         _raise_for_status(status)
 
     def refusing(self, status, result, x, mask, eps, again):
-        if not status:
+        if not status & REFUSED:  # (CAPPED: the op reads the iteration counts itself)
             return result
         # One status for the whole call, and a bad row can leave its neighbours unsolved (the unsorted kernel
         # solves rows in groups): find the bad rows (CPU tensors: nothing to synchronise) and solve again without.
@@ -490,6 +490,15 @@ def use_backend(name: str):
         yield
     finally:
         _default.name = previous
+
+
+def unsorted_on_cpu(backend: str) -> bool:
+    """Whether a call with ``backend`` (already :func:`resolve`-d) on float32 CPU scores runs on the C kernels --
+    named, or ``auto`` while they build and have not failed -- so that the operator may take its fused fast path
+    there (``soft_topk._UnsortedOnCpu``)."""
+    if backend == "cpu" or (backend == "auto" and CPU not in _disabled):
+        return CPU.usable() is None
+    return False
 
 
 def resolve(backend: str) -> str:

@@ -97,7 +97,7 @@ def _build() -> ctypes.CDLL:
     lib.soft_topk_sorted_backward.restype = ctypes.c_int
     lib.soft_topk_unsorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, f32, f32, p, p, i32]
     lib.soft_topk_unsorted_forward.restype = ctypes.c_int
-    lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32]
+    lib.soft_topk_unsorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, f32, p, p, i32]
     lib.soft_topk_unsorted_backward.restype = ctypes.c_int
     lib.soft_topk_paper_temperature.argtypes = [p, p, i64, i64, f32, f32, p, p, p, i32]
     lib.soft_topk_paper_temperature.restype = ctypes.c_int
@@ -193,8 +193,41 @@ def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad):
     _check(out, grad_out, mask, eps, x)
     _raise_if_out_of_memory(library().soft_topk_unsorted_backward(
         _ptr(out), _ptr(grad_out), _ptr(mask), _ptr(eps), _ptr(x) if eps_grad else None, _ptr(grad), _ptr(grad_eps),
-        rows, n, torch.get_num_threads()))
+        rows, n, 0.0, None, None, torch.get_num_threads()))
     return grad, grad_eps
+
+
+def unsorted_fused_forward(x, k, epsilon, paper, bound, tol, max_iter):
+    """The unsorted forward for the operator's fast path on float32 CPU scores ``x`` (rows, n), contiguous, all
+    entries valid but ``-inf`` ones, no mask: its output (rows, n) and info (rows, 2), the status bits
+    (kernel_interface.STATUS_BITS: refused rows, CAPPED), and with ``paper`` the paper scaling's eps, at and slope
+    (rows,) computed in the same pass (``paper = (anchor_top, epsilon)``); without it every row's temperature is
+    ``epsilon`` (no per-row tensor). Nothing else allocated: the caller checked the arguments."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    info = torch.empty((rows, 2), dtype=torch.float32)
+    if paper is None:
+        eps = at = slope = None
+        anchor_top, temperature = 0.0, epsilon
+    else:
+        eps, at, slope, anchor_top, temperature = temperature_outputs(x, None, paper)
+    status = library().soft_topk_unsorted_forward(
+        x.data_ptr(), None, _ptr(eps), bound, out.data_ptr(), info.data_ptr(), rows, n, k, tol, max_iter, anchor_top,
+        temperature, _ptr(at), _ptr(slope), torch.get_num_threads())
+    _raise_if_out_of_memory(status)
+    return out, info, status, eps, at, slope
+
+
+def unsorted_fused_backward(out, grad_out, x, eps, epsilon, at, slope):
+    """dL/dx (rows, n) for :func:`unsorted_fused_forward`'s output: with ``at`` and ``slope`` (the paper scaling)
+    dL/deps * d eps / d x is added in the same pass, from ``x`` and the per-row ``eps``; else every row's
+    temperature is ``epsilon``. Tensors contiguous, float32, on CPU."""
+    rows, n = out.shape
+    grad = torch.empty_like(out)
+    _raise_if_out_of_memory(library().soft_topk_unsorted_backward(
+        out.data_ptr(), grad_out.data_ptr(), None, _ptr(eps), _ptr(x), grad.data_ptr(), None, rows, n, epsilon,
+        _ptr(at), _ptr(slope), torch.get_num_threads()))
+    return grad
 
 
 def _raise_if_out_of_memory(status: int) -> None:

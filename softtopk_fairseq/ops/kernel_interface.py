@@ -9,16 +9,19 @@ import torch
 
 # What the fused kernels report (status bits), handed to them from here (constexprs, -D flags):
 # - OUT_OF_MEMORY: a C kernel could not allocate its scratch memory (the launcher raises MemoryError);
+# - CAPPED: a C forward's row stopped at max_iter above its tolerance (soft_topk warns; the row is solved);
 # - BAD_NAN, BAD_INF, BAD_SCALE: a forward's row holds a NaN anywhere, +inf on a valid entry, or an infinite
 #   temperature with scores whose range overflows float32 (the paper scaling's temperature, epsilon * max cost / 2,
 #   is +inf once |scores| pass ~1.8e19 -- the cost squares them --, which normalises every score to 0, the right
 #   limit, unless x - centre is infinite too: inf / inf). The row is left unsolved (the Triton kernels write it as
 #   NaN) and the caller raises (backends.FusedBackend.raise_for_status), or with check_errors=False returns it as
 #   NaN.
-OUT_OF_MEMORY, BAD_NAN, BAD_INF, BAD_SCALE = 1, 2, 4, 8
-# The bits that say a row's scores were refused (the Triton kernels' per-row status: they allocate nothing).
+OUT_OF_MEMORY, BAD_NAN, BAD_INF, BAD_SCALE, CAPPED = 1, 2, 4, 8, 16
+# The bits that say a row's scores were refused (the Triton kernels' per-row status: they allocate nothing, and
+# their callers read the iteration counts).
 REFUSAL_BITS = {"BAD_NAN": BAD_NAN, "BAD_INF": BAD_INF, "BAD_SCALE": BAD_SCALE}
-STATUS_BITS = {"OUT_OF_MEMORY": OUT_OF_MEMORY, **REFUSAL_BITS}
+REFUSED = BAD_NAN | BAD_INF | BAD_SCALE
+STATUS_BITS = {"OUT_OF_MEMORY": OUT_OF_MEMORY, "CAPPED": CAPPED, **REFUSAL_BITS}
 
 
 def temperature_outputs(x: torch.Tensor, eps, paper):

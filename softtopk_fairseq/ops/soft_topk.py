@@ -39,9 +39,10 @@ import torch
 from torch import Tensor, nn
 
 from softtopk_fairseq import defaults
-from softtopk_fairseq.ops import backends, implicit_backward
+from softtopk_fairseq.ops import backends, cpu_kernels, implicit_backward
 from softtopk_fairseq.ops.arguments import check_selection, mask_along_last
 from softtopk_fairseq.ops.backends import SolveOptions
+from softtopk_fairseq.ops.kernel_interface import CAPPED
 
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
@@ -167,6 +168,31 @@ class _SoftTopKEager(torch.autograd.Function):
         if paper:
             _add_paper_temperature_grad(grad_x, grad_eps, at, slope)
         return grad_x, None, None, None, None, None
+
+
+class _UnsortedOnCpu(torch.autograd.Function):
+    """The unsorted operator on float32 CPU scores without a mask (``largest``, checked, Newton): one C call each
+    way (``cpu_kernels.unsorted_fused_forward`` / ``_backward``) with nothing else around it -- the work that
+    :class:`_SoftTopKEager` does through the backend interface (checks, the paper scaling's temperature, the solve;
+    dL/dx with the temperature's share) without its tensor operations and per-row temperature tensor, for the
+    most common call, whose time on small problems is otherwise mostly Python and dispatch. ``report`` (a list)
+    receives the forward's (status, info, eps or None), which the caller reads for its warning and info."""
+
+    @staticmethod
+    def forward(ctx, x, k, epsilon, paper, tol, max_iter, report):
+        out, info, status, eps, at, slope = cpu_kernels.unsorted_fused_forward(
+            x, k, epsilon, (1.0, epsilon) if paper else None, backends.score_bound(torch.float32, k), tol, max_iter)
+        backends.CPU.raise_for_status(status)
+        report.append((status, info, eps))
+        ctx.save_for_backward(out, x if paper else None, eps, at, slope)
+        ctx.epsilon = epsilon
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out, x, eps, at, slope = ctx.saved_tensors
+        grad = cpu_kernels.unsorted_fused_backward(out, grad_out.contiguous(), x, eps, ctx.epsilon, at, slope)
+        return grad, None, None, None, None, None, None
 
 
 def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, opts: SolveOptions,
@@ -372,15 +398,25 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
     if max_iter is None:
         max_iter = defaults.MAX_ITER[method]
     compiling = torch.compiler.is_compiling()
+    capped_somewhere = True  # (unknown: read from the info)
     if compiling:
         eps = _row_temperature(x, row_mask, k, epsilon, sorted, scaling, backend, method)
         out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend,
                                   bool(check_errors))
         eps = eps.detach()
+    elif (not sorted and row_mask is None and largest and check_errors and method == "newton"
+          and x.dtype == torch.float32 and x.device.type == "cpu" and backends.unsorted_on_cpu(backend)):
+        report = []
+        out = _UnsortedOnCpu.apply(x if x.is_contiguous() else x.contiguous(), k, float(epsilon), scaling == "paper",
+                                   float(tol), int(max_iter), report)
+        status, info, eps = report[0]
+        capped_somewhere = bool(status & CAPPED)
+        if return_info and eps is None:
+            eps = _constant_temperature(x, epsilon)
     else:
         opts = SolveOptions(k, sorted, float(tol), int(max_iter), method, bool(check_errors))
         out, info, eps = _SoftTopKEager.apply(x, row_mask, float(epsilon), scaling, opts, backend)
-    if check_errors and not compiling:
+    if check_errors and not compiling and capped_somewhere:
         _warn_if_capped(info, tol, max_iter)
     if sorted:
         out = out.reshape(*batch_shape, n, k).movedim(-2, dim)

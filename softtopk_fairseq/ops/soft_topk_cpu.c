@@ -21,10 +21,10 @@
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
 /* The solver constants (LOGIT_CLAMP, MAX_STEP, NEAR_FLOOR, SECOND_START_ERROR, RIDGE_ULPS, PLAN_FLOOR,
  * SATURATION, LOG_STEP_FRACTION) are defined once, in solvers.py, and handed to this file as -D flags by
- * cpu_kernels.py, with the status bits (OUT_OF_MEMORY, BAD_NAN, BAD_INF, BAD_SCALE: kernel_interface.py). */
+ * cpu_kernels.py, with the status bits (OUT_OF_MEMORY, BAD_NAN, BAD_INF, BAD_SCALE, CAPPED: kernel_interface.py). */
 #if !defined(LOGIT_CLAMP) || !defined(MAX_STEP) || !defined(NEAR_FLOOR) || !defined(SECOND_START_ERROR) \
     || !defined(RIDGE_ULPS) || !defined(PLAN_FLOOR) || !defined(SATURATION) || !defined(LOG_STEP_FRACTION) \
-    || !defined(OUT_OF_MEMORY) || !defined(BAD_NAN) || !defined(BAD_INF) || !defined(BAD_SCALE)
+    || !defined(OUT_OF_MEMORY) || !defined(BAD_NAN) || !defined(BAD_INF) || !defined(BAD_SCALE) || !defined(CAPPED)
 #error "compile with the -D flags of cpu_kernels.py (cpu_kernels.CONSTANTS)"
 #endif
 #define LOGIT_CLAMP_F ((float)(LOGIT_CLAMP))
@@ -723,7 +723,7 @@ static void unsorted_solve_row(const float *u, const float *wv, int64_t n, int k
 
 typedef struct {
     const float *x;
-    float *eps;  /* read, or written first when paper is set */
+    float *eps;  /* read, or written first when paper is set; NULL: every row's temperature is epsilon */
     const uint8_t *mask;
     float bound, *out, *info;
     int64_t n;
@@ -732,10 +732,22 @@ typedef struct {
     int *status;
     int64_t first_row;  /* unsorted_forward_task's rows start here (those before go by groups) */
     int paper;  /* the paper scaling's temperature (paper_temperature_of) is computed here, with at and slope */
-    float anchor_top, epsilon;
+    float anchor_top, epsilon;  /* (epsilon: the paper scaling's, or with eps NULL the temperature itself) */
     int64_t *at;
     float *slope;
 } forward_args;
+
+/* Row r's temperature: the given (or the paper scaling's, once computed) eps[r], or the constant epsilon. */
+static inline float row_eps(const forward_args *a, int64_t r) { return a->eps ? a->eps[r] : a->epsilon; }
+
+/* Sets CAPPED in *status when a solved row stopped at max_iter above tol (what soft_topk warns about; tol = 0 asks
+ * for exactly max_iter iterations), from its info (iterations, error; compared in float32, as the caller does). */
+static inline void note_capped(const forward_args *a, const float *info) {
+    if (a->tol > 0.0 && info[0] >= (float)a->max_iter && info[1] > (float)a->tol) {
+#pragma omp atomic update
+        *a->status |= CAPPED;
+    }
+}
 
 /* One pass over a row: its kk largest valid scores in top (decreasing, -inf past the valid ones), its number of
  * valid scores and its smallest; returns the status bits (BAD_NAN, BAD_INF). */
@@ -885,7 +897,7 @@ static int prepare_row(const forward_args *a, int64_t r, float *top, uint32_t *k
         row_extremes(x, mask, n, &hi, &lo, &hi_at, &lo_at);
         paper_temperature_of(hi, lo, hi_at, lo_at, a->anchor_top, a->epsilon, a->eps + r, a->at + r, a->slope + r);
     }
-    if (overflowing_scale(a->eps[r], top[0], *lowest)) {
+    if (overflowing_scale(row_eps(a, r), top[0], *lowest)) {
 #pragma omp atomic update
         *a->status |= BAD_SCALE;
         return 0;
@@ -916,7 +928,7 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
      * solve) */
     uint32_t *keys = top_count(a) > TOP_ON_STACK ? (uint32_t *)w->a0 : NULL;
     if (prepare_row(a, r, top, keys, &n_valid, &lowest, pair, &centre)) {
-        float eps = a->eps[r], bound = a->bound;
+        float eps = row_eps(a, r), bound = a->bound;
         normalise_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, eps, bound, w->u, w->wv);
         if (n_valid <= k) {  /* nothing to select: every valid element is in */
             for (int64_t j = 0; j < n; j++) out[j] = w->wv[j];
@@ -927,6 +939,7 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
             float tau0 = root_start(&st, k, log_pos(k), logf((float)k), n_valid, top[0], pair[0], pair[1], lowest,
                                     centre, eps, bound);
             unsorted_solve_row(w->u, w->wv, n, k, st, tau0, a->tol, a->max_iter, w->a0, w->a1, out, info);
+            note_capped(a, info);
         }
     }
 }
@@ -944,7 +957,7 @@ static void sorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     float *top = top_buffer(a, top_stack);
     if (!top) return;
     if (prepare_row(a, r, top, NULL, &n_valid, &lowest, pair, &centre)) {
-        float eps = a->eps[r], bound = a->bound;
+        float eps = row_eps(a, r), bound = a->bound;
         float *tz0 = w->tz + 3 * mp, *shift = tz0 + mp, *c = shift + mp;
         int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
         for (int l = 0; l < mp; l++) {
@@ -955,13 +968,15 @@ static void sorted_forward_task(int64_t r, workspace *w, const void *ctx) {
         }
         forward_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, eps, bound, k, tz0, shift, c, ma, mp,
                     a->tol, a->max_iter, a->max_halvings, a->out + r * n * k, a->info + 2 * r, w);
+        note_capped(a, a->info + 2 * r);
     }
     if (top != top_stack) free(top);
 }
 
-/* The sorted operator's forward (out (rows, n, k)). Returns 0, or a bit set: 1 = scratch memory could not be
- * allocated, BAD_NAN, BAD_INF. at and slope NULL: eps (rows,) is the given temperature; else the paper
- * scaling's (with anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
+/* The sorted operator's forward (out (rows, n, k)). Returns 0, or bits: OUT_OF_MEMORY (scratch memory could not be
+ * allocated), BAD_NAN, BAD_INF, BAD_SCALE (a row refused, left unsolved), CAPPED (a row stopped at max_iter above
+ * tol). at and slope NULL: eps (rows,) is the given temperature (or, eps NULL, epsilon for every row); else the
+ * paper scaling's (with anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
 int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, float bound, float *out, float *info,
                              int64_t rows, int64_t n, int k, double tol, int max_iter, int max_halvings,
                              float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
@@ -1066,7 +1081,7 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         if (a->paper)
             paper_temperature_of(tw[0][l], lowest[l], hi_at[l], lo_at[l], a->anchor_top, a->epsilon, a->eps + r0 + l,
                                  a->at + r0 + l, a->slope + r0 + l);
-        eps[l] = a->eps[r0 + l];
+        eps[l] = row_eps(a, r0 + l);
         active[l] = nv > k;
         if (overflowing_scale(eps[l], tw[0][l], lowest[l])) bad = BAD_SCALE;
     }
@@ -1168,12 +1183,13 @@ static void unsorted_group_task(int64_t g, workspace *w, const void *ctx) {
         for (int64_t j = 0; j < n; j++) out[j] = solved ? cur[j * GROUP + l] : wt[j * GROUP + l];
         info[0] = solved ? (float)iters[l] : 0.0f;
         info[1] = solved ? (float)err[l] : 0.0f;
+        if (solved) note_capped(a, info);
     }
 }
 
-/* Returns 0, or a bit set: 1 = scratch memory could not be allocated, BAD_NAN, BAD_INF (see above). at and slope
- * NULL: eps (rows,) is the given temperature; else the paper scaling's (soft_topk_paper_temperature, with
- * anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
+/* Returns 0, or the bits of soft_topk_sorted_forward. at and slope NULL: eps (rows,) is the given temperature (or,
+ * eps NULL, epsilon for every row); else the paper scaling's (soft_topk_paper_temperature, with anchor_top and
+ * epsilon) is computed on the way and written to eps, at and slope. */
 int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, float bound, float *out,
                                float *info, int64_t rows, int64_t n, int k, double tol, int max_iter,
                                float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
@@ -1189,12 +1205,17 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
 
 /* dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) on the valid elements
  * (implicit_backward.sigmoid_grad): tau's dependence on x gives the second term. With x given, also
- * dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid elements (implicit_backward.temperature_grad). */
+ * dL/deps = -sum_i dL/dx_i (x_i - mean x) / eps over the valid elements (implicit_backward.temperature_grad), and
+ * with at and slope (the paper scaling: eps depends on x_at only, d eps / d x_at = slope) its share of dL/dx,
+ * dL/deps * slope added at at (soft_topk._add_paper_temperature_grad, the slope clamped to the float range). */
 typedef struct {
     const float *out, *gout, *eps, *x;
     const uint8_t *mask;
     float *grad, *grad_eps;
     int64_t n;
+    float epsilon;  /* every row's temperature when eps is NULL */
+    const int64_t *at;
+    const float *slope;
 } unsorted_backward_args;
 
 /* The sums below run over blocks of BLOCK elements in PAD float lanes (lane_total), the blocks in double; a
@@ -1278,6 +1299,15 @@ static inline __attribute__((always_inline)) void centred_grad_sums(
     *count = (int64_t)sums[3];
 }
 
+/* *grad += grad_eps * slope, the slope clamped to the float range (where eps overflowed, dL/deps is 0 and 0 * inf
+ * would be NaN): rounded as the PyTorch path rounds it, a product then a sum (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off")))
+static void add_temperature_share(float *grad, float grad_eps, float slope) {
+    float s = slope > FLT_MAX_F ? FLT_MAX_F : (slope < -FLT_MAX_F ? -FLT_MAX_F : slope);
+    float share = grad_eps * s;
+    *grad = *grad + share;
+}
+
 static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     (void)w;
     const unsorted_backward_args *a = ctx;
@@ -1289,7 +1319,7 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     double num, den;
     sigmoid_grad_sums(out, g, n, grad, &num, &den);
     float mean_g = (float)(num / (den > FLT_TINY ? den : FLT_TINY));
-    float inv_eps = 1.0f / a->eps[r];
+    float eps = a->eps ? a->eps[r] : a->epsilon, inv_eps = 1.0f / eps;
     if (x == NULL) {
         for (int64_t j = 0; j < n; j++) grad[j] = grad[j] * (g[j] - mean_g) * inv_eps;
         return;
@@ -1303,14 +1333,18 @@ static void unsorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     } else {
         centred_grad_sums(grad, g, x, NULL, n, mean_g, inv_eps, x_ref, &gx, &gs, &xs, &count);
     }
-    a->grad_eps[r] = temperature_grad_from_sums(gx, gs, xs, count, a->eps[r]);
+    float grad_eps = temperature_grad_from_sums(gx, gs, xs, count, eps);
+    if (a->grad_eps) a->grad_eps[r] = grad_eps;
+    if (a->at) add_temperature_share(grad + a->at[r], grad_eps, a->slope[r]);
 }
 
-/* mask: the caller's (rows, n) mask or NULL (-inf scores are excluded in any case). x and grad_eps: both NULL
- * when dL/deps is not wanted. */
+/* mask: the caller's (rows, n) mask or NULL (-inf scores are excluded in any case). eps NULL: every row's temperature
+ * is epsilon. x NULL: no dL/deps (grad_eps, at and slope unused); else dL/deps goes to grad_eps unless it is NULL,
+ * and with at and slope also into grad. */
 int soft_topk_unsorted_backward(const float *out, const float *gout, const uint8_t *mask, const float *eps,
-                                const float *x, float *grad, float *grad_eps, int64_t rows, int64_t n, int threads) {
-    unsorted_backward_args a = {out, gout, eps, x, mask, grad, grad_eps, n};
+                                const float *x, float *grad, float *grad_eps, int64_t rows, int64_t n, float epsilon,
+                                const int64_t *at, const float *slope, int threads) {
+    unsorted_backward_args a = {out, gout, eps, x, mask, grad, grad_eps, n, epsilon, at, slope};
     return parallel_rows(rows, n, 2, threads, unsorted_backward_task, &a);
 }
 
