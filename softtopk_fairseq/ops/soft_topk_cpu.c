@@ -16,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #define BLOCK 256
 #define PAD 16  /* row lengths are padded to a multiple of this (one AVX-512 register of floats) */
@@ -313,12 +316,38 @@ static void free_workspace(workspace *w) {
  * a worksharing loop must be met by the whole team. */
 typedef void (*row_fn)(int64_t r, workspace *w, const void *ctx);
 
+/* Subnormal floats flushed to zero in the kernels' own threads while they run (FTZ and DAZ on x86; restored on
+ * exit: the OpenMP threads may be PyTorch's too). At a small temperature the transport weights of entries far from
+ * an anchor, and products of two such weights, fall below the smallest normal float (1.2e-38): computed exactly,
+ * every operation on one is a microcode assist, tens of times slower, and they dominated the sorted solve there.
+ * Flushed, each is 0 -- a change of at most 1.2e-38 per weight, far below float32 resolution of the masses (>= 1)
+ * and of any output that is not itself 0 to working precision. */
+typedef struct { unsigned int saved; } subnormals_off;
+
+static inline subnormals_off flush_subnormals(void) {
+    subnormals_off s = {0};
+#if defined(__SSE__)
+    s.saved = _mm_getcsr();
+    _mm_setcsr(s.saved | 0x8040u);  /* FTZ (bit 15) | DAZ (bit 6) */
+#endif
+    return s;
+}
+
+static inline void restore_subnormals(subnormals_off s) {
+#if defined(__SSE__)
+    _mm_setcsr(s.saved);
+#else
+    (void)s;
+#endif
+}
+
 static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn, const void *ctx) {
     int failed = 0;
     int chunk = (int)(rows / (8 * (int64_t)threads));
     chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
 #pragma omp parallel num_threads(threads)
     {
+        subnormals_off mode = flush_subnormals();
         workspace w;
         int ok = alloc_workspace(&w, mp, n);
 #pragma omp for schedule(dynamic, chunk)
@@ -331,6 +360,7 @@ static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn
             }
         }
         if (ok) free_workspace(&w);
+        restore_subnormals(mode);
     }
     return failed;
 }
@@ -749,6 +779,49 @@ static inline void note_capped(const forward_args *a, const float *info) {
     }
 }
 
+/* scan_row's long rows, SCAN_CHUNK elements at a time: the counts, the smallest score and the bad-score bits in one
+ * vector pass over the chunk, which also tells whether any of its scores beats the current kk-th largest; only
+ * then are the chunk's scores inserted one by one (after the row's first few chunks, rarely). Inlined and called
+ * with mask NULL or not, so that the unmasked copy's loop is compiled without the NULL test (gcc does not
+ * vectorise it). */
+#define SCAN_CHUNK 64
+static inline __attribute__((always_inline)) int scan_long_row(const float *restrict x, const uint8_t *restrict mask,
+                                                                int64_t n, int kk, float *top, int64_t *n_valid_out,
+                                                                float *lowest_out) {
+    int64_t n_valid = 0;
+    float lowest = INFINITY;
+    int bad = 0;
+    for (int64_t start = 0; start < n; start += SCAN_CHUNK) {
+        int64_t end = n - start < SCAN_CHUNK ? n : start + SCAN_CHUNK;
+        float threshold = top[kk - 1];
+        int any_above = 0, count = 0;
+        float low = INFINITY;
+#pragma omp simd reduction(| : bad, any_above) reduction(+ : count) reduction(min : low)
+        for (int64_t j = start; j < end; j++) {
+            float v = x[j];
+            int keep = (mask == NULL || mask[j]) && v > -INFINITY;  /* (false for NaN too) */
+            bad |= (v != v) ? BAD_NAN : 0;
+            bad |= (keep && v == INFINITY) ? BAD_INF : 0;
+            count += keep;
+            low = keep && v < low ? v : low;
+            any_above |= keep && v > threshold;
+        }
+        n_valid += count;
+        lowest = low < lowest ? low : lowest;
+        if (!any_above) continue;
+        for (int64_t j = start; j < end; j++) {
+            float v = x[j];
+            if (!((mask == NULL || mask[j]) && v > top[kk - 1])) continue;  /* (NaN and -inf fail it) */
+            int q = kk - 1;
+            while (q > 0 && v > top[q - 1]) { top[q] = top[q - 1]; q--; }
+            top[q] = v;
+        }
+    }
+    *n_valid_out = n_valid;
+    *lowest_out = lowest;
+    return bad;
+}
+
 /* One pass over a row: its kk largest valid scores in top (decreasing, -inf past the valid ones), its number of
  * valid scores and its smallest; returns the status bits (BAD_NAN, BAD_INF). */
 static int scan_row(const float *x, const uint8_t *mask, int64_t n, int kk, float *top, int64_t *n_valid_out,
@@ -782,19 +855,10 @@ static int scan_row(const float *x, const uint8_t *mask, int64_t n, int kk, floa
             for (int q = 0; q < SHORT_ROW_TOP; q++) tw[q] = next[q];
         }
         memcpy(top, tw, sizeof(float) * kk);
+    } else if (mask == NULL) {
+        bad = scan_long_row(x, NULL, n, kk, top, &n_valid, &lowest);
     } else {
-        for (int64_t j = 0; j < n; j++) {
-            float v = x[j];
-            if (isnan(v)) { bad |= BAD_NAN; continue; }
-            if ((mask && !mask[j]) || v == -INFINITY) continue;
-            if (v == INFINITY) bad |= BAD_INF;
-            n_valid++;
-            lowest = v < lowest ? v : lowest;
-            if (!(v > top[kk - 1])) continue;
-            int q = kk - 1;
-            while (q > 0 && v > top[q - 1]) { top[q] = top[q - 1]; q--; }
-            top[q] = v;
-        }
+        bad = scan_long_row(x, mask, n, kk, top, &n_valid, &lowest);
     }
     *n_valid_out = n_valid;
     *lowest_out = lowest;
