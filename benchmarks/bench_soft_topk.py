@@ -1,70 +1,60 @@
-"""Speed, memory and accuracy of soft_topk against the paper's code, measured side by side in one run.
+"""Speed, memory and accuracy of soft_topk against the paper's code and its peers, measured side by side in one run.
 
-    .venv/bin/python benchmarks/bench_soft_topk.py [--shapes generic attention beam] [--repeats 5]
+    .venv/bin/python benchmarks/bench_soft_topk.py [--shapes generic attention beam] [--repeats 5] [--json PATH]
+    .venv/bin/python benchmarks/bench_soft_topk.py --device cuda [--repeats 10]
 
-For each shape (rows x n, k = 5, float32, forward + backward of a random linear loss) it prints the
-median time of the unsorted operator's peers too (our PyTorch path and entmax's ``budget_bisect`` -- 50
-bisection steps, a sparse top-k mask, from the ``bench`` extra -- timed in turn with ours, ``--peer-repeats``
-calls each, so that the ratio budget_bisect / ours unsorted is not moved by the machine's speed drifting; and
-the perturbed top-k of Berthet et al. with 10 and 100 samples and its Monte-Carlo backward), and the
-median time of: our sorted and unsorted op (Newton + closed-form backward; ``backend="auto"``, which on CPU
-runs the sorted op in the fused C kernels of ``cpu_kernels.py``), our sorted op on the eager PyTorch path
-(``backend="torch"``), a faithful re-implementation of
-the authors' code (fixed 200 Sinkhorn iterations + their backward, ``paper_reference.py``), autograd through
-the same 200 unrolled log-domain Sinkhorn iterations, and hard ``torch.topk``; the speed-up of our sorted op
-over the paper's code; peak memory allocated during the backward; and the max abs error of the sorted output
-against a float64 solution converged to 1e-13 of the problem each one solves (the paper's scaling, epsilon
-0.1: per row for ours, batch-wide for the authors' code). With ``--device cuda`` it prints the GPU table
-instead: the fused Triton kernels against our PyTorch path and the paper's code at every shape.
+For each shape (rows x n, k = 5, float32, forward + backward of a random linear loss) it prints the median time
+of: our sorted and unsorted op (Newton + closed-form backward; ``backend="auto"``, which on CPU runs the fused C
+kernels of ``cpu_kernels.py``), our sorted op on the eager PyTorch path (``backend="torch"``), a faithful
+re-implementation of the authors' code (fixed 200 Sinkhorn iterations + their backward, ``paper_reference.py``),
+autograd through the same 200 unrolled log-domain Sinkhorn iterations, and hard ``torch.topk`` (forward only);
+the peers of the unsorted op: our PyTorch path, entmax's ``budget_bisect`` (50 bisection steps, a sparse top-k
+mask, from the ``bench`` extra) and the perturbed top-k of Berthet et al. with 10 and 100 samples and its
+Monte-Carlo backward; the speed-up of our sorted op over the paper's code; peak memory allocated during the
+backward; and the max abs error of the sorted output against a float64 solution converged to 1e-13 of the
+problem each one solves (the paper's scaling, epsilon 0.1: per row for ours, batch-wide for the authors' code).
+
+Timing (``harness.py``): each group of ops is timed alternately with its baseline in rounds, after one warm-up
+round -- the sorted ops with ours sorted (``--repeats`` rounds; the unrolled iterations in rounds of their own,
+half as many), the unsorted peers with ours unsorted (``--peer-repeats`` rounds: fast ops), the perturbed top-k
+with ours unsorted (half of ``--repeats``) -- so that a ratio is not moved by the machine's speed drifting.
+
+With ``--device cuda`` it prints the GPU table instead: the fused Triton kernels against our PyTorch path, the
+paper's code and ``torch.topk`` at every shape, all timed alternately on the GPU's clock (CUDA events).
 """
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 
-from softtopk_fairseq.ops import perturbed_topk, soft_topk
-from softtopk_fairseq.ops.paper_reference import paper_sorted_soft_topk
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import OPERATOR_K as K, OPERATOR_SHAPES as SHAPES, forward_backward, operator_scores  # noqa: E402
+
+from softtopk_fairseq.ops import perturbed_topk, soft_topk  # noqa: E402
+from softtopk_fairseq.ops.paper_reference import paper_sorted_soft_topk  # noqa: E402
 
 try:  # a peer for the unsorted operator: entmax's budget_bisect (the `bench` extra), else its column is "-"
     from entmax import budget_bisect
 except ImportError:  # pragma: no cover
     budget_bisect = None
 
-SHAPES = {"generic": (64, 1000), "attention": (7680, 32), "beam": (8, 50000)}
-K = 5
 EPS = 0.1
+CPU_COLUMNS = ("shape", "ours sorted", "ours unsorted", "ours sorted torch path", "paper 200it", "unrolled 200it",
+               "torch.topk", "paper/ours", "bwd peak ours", "bwd peak paper", "err ours", "err paper",
+               "ours unsorted torch path", "entmax budget_bisect", "budget_bisect/ours unsorted",
+               "perturbed 10 unsorted", "perturbed 100 unsorted")
+GPU_COLUMNS = ("shape", "triton sorted", "triton unsorted", "torch path sorted", "torch path unsorted",
+               "paper 200it", "torch.topk", "torch/triton sorted", "torch/triton unsorted", "paper/triton")
 
 
-def make_scores(name, rows, n, gen):
-    x = torch.randn(rows, n, generator=gen)
-    if name == "beam":  # cumulative log-probabilities of candidates
-        x = torch.log_softmax(3 * x, dim=-1)
-    return x
+def ours(sorted, backend="auto"):
+    return lambda z: soft_topk(z, K, epsilon=EPS, sorted=sorted, scaling="paper", backend=backend)
 
 
-def median_time(fn, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def interleaved_medians(fns, repeats):
-    """Median seconds of each of ``fns`` (name -> callable), called in turn ``repeats`` times after a warm-up
-    round: a drift in the machine's speed during the run hits all of them alike, so their ratios compare."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+def paper(z):
+    return paper_sorted_soft_topk(z, K, epsilon=EPS, max_iter=200)
 
 
 def peak_backward_bytes(forward):
@@ -79,14 +69,6 @@ def peak_backward_bytes(forward):
         live += e.cpu_memory_usage
         peak = max(peak, live)
     return peak
-
-
-def fwd_bwd(op, x, weights):
-    def run():
-        xg = x.clone().requires_grad_()
-        out = op(xg)
-        (out * weights[..., : out.shape[-1]] if out.dim() == 3 else out * weights[..., 0]).sum().backward()
-    return run
 
 
 def unrolled_sinkhorn(x, iters=200):
@@ -109,106 +91,93 @@ def unrolled_sinkhorn(x, iters=200):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the sorted ops (median)")
     parser.add_argument("--peer-repeats", type=int, default=50,
-                        help="calls of each unsorted peer (ours, our PyTorch path, budget_bisect), interleaved")
-    parser.add_argument("--threads", type=int, default=0)
+                        help="rounds of the unsorted peers (ours, our PyTorch path, budget_bisect)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-unrolled", action="store_true", help="skip autograd through unrolled Sinkhorn")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: only the GPU table (Triton kernels against our PyTorch path and the paper's)")
+    harness.add_json_argument(parser)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = harness.Results("bench_soft_topk", args.json, device=args.device)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("bench_soft_topk: --device cuda but torch sees no CUDA device")
-        bench_gpu(args)
+        bench_gpu(args, results)
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, k={K}, eps={EPS} "
-          f"(paper scaling), forward+backward, median of {args.repeats} (unsorted peers: {args.peer_repeats}, "
-          "interleaved)")
-    header = ("shape", "ours sorted", "ours unsorted", "ours sorted torch path", "paper 200it", "unrolled 200it", "torch.topk",
-              "paper/ours", "bwd peak ours", "bwd peak paper", "err ours", "err paper", "ours unsorted torch path",
-              "entmax budget_bisect", "budget_bisect/ours unsorted", "perturbed 10 unsorted",
-              "perturbed 100 unsorted")
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+          f"(paper scaling), forward+backward; each group timed alternately with its baseline: median of "
+          f"{args.repeats} rounds (unsorted peers: {args.peer_repeats})")
+    print(harness.table_header(CPU_COLUMNS))
     for name in args.shapes:
-        bench_shape(name, args)
+        bench_shape(name, args, results)
 
 
-def bench_gpu(args):
+def bench_gpu(args, results):
     """On a GPU, every shape: the fused Triton kernels (sorted and unsorted) against our PyTorch path, the
-    paper's code and hard ``torch.topk``; the ratio is our PyTorch path over Triton (target >= 5x at the
-    beam shape). Timed with CUDA events around each forward + backward, median of ``--repeats``."""
+    paper's code and hard ``torch.topk``, all timed alternately on the GPU's clock (CUDA events around each
+    forward + backward, median of ``--repeats`` rounds after one warm-up, which compiles the kernels); the ratios
+    are our PyTorch path over Triton and the paper's code over Triton."""
     print(f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, float32, k={K}, eps={EPS} (paper "
-          f"scaling), forward+backward, median of {args.repeats}")
-    header = ("shape", "triton sorted", "triton unsorted", "torch path sorted", "torch path unsorted",
-              "paper 200it", "torch.topk", "torch/triton sorted", "torch/triton unsorted", "paper/triton")
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+          f"scaling), forward+backward, alternately, median of {args.repeats} rounds (CUDA events)")
+    print(harness.table_header(GPU_COLUMNS))
     for name in args.shapes:
         rows, n = SHAPES[name]
         gen = torch.Generator().manual_seed(0)
-        x = make_scores(name, rows, n, gen).cuda()
+        x = operator_scores(name, rows, n, gen).cuda()
         w = torch.randn(rows, n, K, generator=gen).cuda()
-
-        def timed(op, x=x, w=w):
-            run = fwd_bwd(op, x, w)
-            run()  # warm-up (compiles the kernels)
-            times = []
-            for _ in range(args.repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            return statistics.median(times)
-
-        def ours(sorted, backend):
-            return lambda z: soft_topk(z, K, epsilon=EPS, sorted=sorted, scaling="paper", backend=backend)
-
-        t = {key: timed(ours(srt, be)) for key, srt, be in (("ts", True, "triton"), ("tu", False, "triton"),
-                                                             ("ps", True, "torch"), ("pu", False, "torch"))}
-        t_paper = timed(lambda z: paper_sorted_soft_topk(z, K, epsilon=EPS, max_iter=200))
-        start = time.perf_counter()
-        for _ in range(args.repeats):
-            torch.topk(x, K, dim=-1)
-        torch.cuda.synchronize()
-        t_topk = (time.perf_counter() - start) / args.repeats
-        cells = [f"{name} {rows}x{n}", *(f"{t[key] * 1e3:.2f} ms" for key in ("ts", "tu", "ps", "pu")),
-                 f"{t_paper * 1e3:.2f} ms", f"{t_topk * 1e3:.3f} ms", f"{t['ps'] / t['ts']:.1f}x",
-                 f"{t['pu'] / t['tu']:.1f}x", f"{t_paper / t['ts']:.1f}x"]
-        print("| " + " | ".join(cells) + " |", flush=True)
+        timed = harness.compare(("triton sorted", forward_backward(ours(True, "triton"), x, w)), {
+            "triton unsorted": forward_backward(ours(False, "triton"), x, w),
+            "torch path sorted": forward_backward(ours(True, "torch"), x, w),
+            "torch path unsorted": forward_backward(ours(False, "torch"), x, w),
+            "paper 200it": forward_backward(paper, x, w),
+            "torch.topk": lambda: torch.topk(x, K, dim=-1),
+        }, args.repeats, timer=harness.cuda_event_seconds)
+        t = {row: timed.seconds(row) for row in timed.times}
+        shape = f"{name} {rows}x{n}"
+        for row, baseline in (("triton sorted", None), ("triton unsorted", None),
+                              ("torch path sorted", "triton sorted"), ("torch path unsorted", "triton unsorted"),
+                              ("paper 200it", "triton sorted"), ("torch.topk", "triton sorted")):
+            results.add(row, t[row], shape=shape, baseline=baseline, baseline_seconds=t.get(baseline),
+                        **({"pass": "forward"} if row == "torch.topk" else {}))
+        cells = [shape, *(f"{t[row] * 1e3:.2f} ms" for row in GPU_COLUMNS[1:5]), f"{t['paper 200it'] * 1e3:.2f} ms",
+                 f"{t['torch.topk'] * 1e3:.3f} ms", f"{t['torch path sorted'] / t['triton sorted']:.1f}x",
+                 f"{t['torch path unsorted'] / t['triton unsorted']:.1f}x",
+                 f"{t['paper 200it'] / t['triton sorted']:.1f}x"]
+        print(harness.table_row(cells), flush=True)
 
 
-def bench_shape(name, args):
+def bench_shape(name, args, results):
     rows, n = SHAPES[name]
+    shape = f"{name} {rows}x{n}"
     gen = torch.Generator().manual_seed(0)
-    x = make_scores(name, rows, n, gen)
+    x = operator_scores(name, rows, n, gen)
     w = torch.randn(rows, n, K, generator=gen)
-    ours_sorted = lambda z: soft_topk(z, K, epsilon=EPS, sorted=True, scaling="paper")  # noqa: E731
-    ours_unsorted = lambda z: soft_topk(z, K, epsilon=EPS, scaling="paper")  # noqa: E731
-    ours_torch = lambda z: soft_topk(z, K, epsilon=EPS, sorted=True, scaling="paper", backend="torch")  # noqa: E731
-    paper = lambda z: paper_sorted_soft_topk(z, K, epsilon=EPS, max_iter=200)  # noqa: E731
-    t_sorted = median_time(fwd_bwd(ours_sorted, x, w), args.repeats)
-    t_torch = median_time(fwd_bwd(ours_torch, x, w), args.repeats)
-    t_paper = median_time(fwd_bwd(paper, x, w), args.repeats)
-    t_unrolled = float("nan")
+    sorted_op, unsorted_op = forward_backward(ours(True), x, w), forward_backward(ours(False), x, w)
+    # The sorted ops, alternately with ours sorted; the unrolled iterations (slow) in rounds of their own.
+    sorted_ops = harness.compare(("ours sorted", sorted_op), {
+        "ours sorted torch path": forward_backward(ours(True, "torch"), x, w),
+        "paper 200it": forward_backward(paper, x, w),
+        "torch.topk": lambda: torch.topk(x, K, dim=-1),
+    }, args.repeats)
+    unrolled = None
     if not args.no_unrolled and rows * n <= 300_000:
-        t_unrolled = median_time(fwd_bwd(unrolled_sinkhorn, x, w), max(1, args.repeats // 2))
-    t_topk = median_time(lambda: torch.topk(x, K, dim=-1), args.repeats)
-    # Peers of the unsorted operator, forward + backward each, timed in turn (interleaved_medians): our PyTorch
-    # path and entmax's 50-iteration bisection (a sparse top-k mask) -- fast ops, so many repeats; then the
-    # perturbed top-k (10 and 100 samples, Monte-Carlo backward).
-    peers = {"ours": fwd_bwd(ours_unsorted, x, w),
-             "torch": fwd_bwd(lambda z: soft_topk(z, K, epsilon=EPS, scaling="paper", backend="torch"), x, w)}
+        unrolled = harness.compare(("ours sorted", sorted_op),
+                                   {"unrolled 200it": forward_backward(unrolled_sinkhorn, x, w)},
+                                   max(1, args.repeats // 2))
+    # The unsorted op's peers, alternately with it: our PyTorch path and entmax's 50-iteration bisection -- fast
+    # ops, so many rounds --; then the perturbed top-k (10 and 100 samples, Monte-Carlo backward).
+    peers = {"ours unsorted torch path": forward_backward(ours(False, "torch"), x, w)}
     if budget_bisect is not None:
-        peers["bisect"] = fwd_bwd(lambda z: budget_bisect(z, K), x, w)
-    t_peers = interleaved_medians(peers, args.peer_repeats)
-    t_unsorted, t_unsorted_torch = t_peers["ours"], t_peers["torch"]
-    t_bisect = t_peers.get("bisect", float("nan"))
-    t_perturbed = {samples: median_time(fwd_bwd(lambda z: perturbed_topk(z, K, sigma=EPS, samples=samples), x, w),
-                                        max(1, args.repeats // 2)) for samples in (10, 100)}
+        peers["entmax budget_bisect"] = forward_backward(lambda z: budget_bisect(z, K), x, w)
+    unsorted_peers = harness.compare(("ours unsorted", unsorted_op), peers, args.peer_repeats)
+    perturbed = harness.compare(("ours unsorted", unsorted_op), {
+        f"perturbed {samples} unsorted": forward_backward(
+            lambda z, samples=samples: perturbed_topk(z, K, sigma=EPS, samples=samples), x, w)
+        for samples in (10, 100)}, max(1, args.repeats // 2))
 
     def fwd_of(op):
         def run():
@@ -216,25 +185,45 @@ def bench_shape(name, args):
             return op(xg), w, xg
         return run
 
-    mem_ours = peak_backward_bytes(fwd_of(ours_sorted))
-    mem_paper = peak_backward_bytes(fwd_of(paper))
+    mem = {"ours": peak_backward_bytes(fwd_of(ours(True))), "paper": peak_backward_bytes(fwd_of(paper))}
     with torch.no_grad():
         ref = soft_topk(x.double(), K, epsilon=EPS, sorted=True, scaling="paper", tol=1e-13, max_iter=200)
-        err_ours = (ours_sorted(x).double() - ref).abs().max().item()
+        err_ours = (ours(True)(x).double() - ref).abs().max().item()
         # The authors' code solves another problem (cost scaled by the batch-wide maximum): compare it
         # with that problem solved to convergence, i.e. one temperature eps * M_batch / 2 for all rows.
         x64 = x.double()
         m_batch = torch.maximum(x64.square(), (x64 - K).square()).max().item()
         ref_paper = soft_topk(x64, K, epsilon=EPS * m_batch / 2, sorted=True, tol=1e-13, max_iter=200)
         err_paper = (paper(x).double() - ref_paper).abs().max().item()
-    cells = [f"{name} {rows}x{n}", f"{t_sorted * 1e3:.1f} ms", f"{t_unsorted * 1e3:.1f} ms",
-             f"{t_torch * 1e3:.1f} ms", f"{t_paper * 1e3:.1f} ms", f"{t_unrolled * 1e3:.1f} ms", f"{t_topk * 1e3:.2f} ms",
-             f"{t_paper / t_sorted:.1f}x", f"{mem_ours / 2**20:.1f} MiB", f"{mem_paper / 2**20:.1f} MiB",
-             f"{err_ours:.1e}", f"{err_paper:.1e}", f"{t_unsorted_torch * 1e3:.1f} ms",
-             f"{t_bisect * 1e3:.1f} ms" if budget_bisect else "-",
-             f"{t_bisect / t_unsorted:.1f}x" if budget_bisect else "-", f"{t_perturbed[10] * 1e3:.1f} ms",
-             f"{t_perturbed[100] * 1e3:.1f} ms"]
-    print("| " + " | ".join(cells) + " |", flush=True)
+
+    def add(timed, row, **figures):
+        base = timed.baseline if row != timed.baseline else None
+        return results.add(row, timed.seconds(row), shape=shape, baseline=base,
+                           baseline_seconds=timed.seconds(base) if base else None, **figures)
+
+    add(sorted_ops, "ours sorted", bwd_peak_mib=mem["ours"] / 2**20, max_abs_error=err_ours)
+    add(sorted_ops, "ours sorted torch path")
+    add(sorted_ops, "paper 200it", bwd_peak_mib=mem["paper"] / 2**20, max_abs_error=err_paper)
+    add(sorted_ops, "torch.topk", **{"pass": "forward"})
+    if unrolled is not None:
+        add(unrolled, "unrolled 200it")
+    add(unsorted_peers, "ours unsorted")
+    for row in unsorted_peers.rows + perturbed.rows:
+        add(unsorted_peers if row in unsorted_peers.times else perturbed, row)
+
+    t_sorted, t_paper = sorted_ops.seconds("ours sorted"), sorted_ops.seconds("paper 200it")
+    t_unrolled = unrolled.seconds("unrolled 200it") if unrolled is not None else float("nan")
+    t_unsorted = unsorted_peers.seconds("ours unsorted")
+    bisect = f"{unsorted_peers.seconds('entmax budget_bisect') * 1e3:.1f} ms" if budget_bisect else "-"
+    bisect_ratio = f"{unsorted_peers.ratio('entmax budget_bisect'):.1f}x" if budget_bisect else "-"
+    cells = [shape, f"{t_sorted * 1e3:.1f} ms", f"{t_unsorted * 1e3:.1f} ms",
+             f"{sorted_ops.seconds('ours sorted torch path') * 1e3:.1f} ms", f"{t_paper * 1e3:.1f} ms",
+             f"{t_unrolled * 1e3:.1f} ms", f"{sorted_ops.seconds('torch.topk') * 1e3:.2f} ms",
+             f"{t_paper / t_sorted:.1f}x", f"{mem['ours'] / 2**20:.1f} MiB", f"{mem['paper'] / 2**20:.1f} MiB",
+             f"{err_ours:.1e}", f"{err_paper:.1e}", f"{unsorted_peers.seconds('ours unsorted torch path') * 1e3:.1f} ms",
+             bisect, bisect_ratio, f"{perturbed.seconds('perturbed 10 unsorted') * 1e3:.1f} ms",
+             f"{perturbed.seconds('perturbed 100 unsorted') * 1e3:.1f} ms"]
+    print(harness.table_row(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 # Everything that needs a GPU, in one command, with one summary of the figures:
 #   bash scripts/gpu_check.sh [OUTDIR]          (default OUTDIR: work/gpu_check)
 # 1. the tests that exercise CUDA (Triton kernels against the PyTorch path, property tests through Triton,
-#    mixed precision on CUDA), 2. the GPU sections of the benchmarks (operator: Triton vs our PyTorch path
-#    and the paper's code; the unsorted operator from k = 5 to n - 1; Triton launch parameters; soft
-#    beam-search update cost against teacher forcing, its profile, its phases and kernel launches, its step's
-#    CUDA graphs over batches of varying sizes; top-k attention step cost), 3. a short fairseq-train with
+#    mixed precision on CUDA), 2. the GPU sections of the benchmarks (benchmarks/: the operator -- Triton vs our
+#    PyTorch path and the paper's code --, soft beam-search update cost against teacher forcing, top-k attention
+#    step cost), of the unsorted operator from k = 5 to n - 1 (experiments/unsorted_any_k.py) and the GPU
+#    diagnostics (scripts/gpu/: Triton launch parameters; the soft beam-search update's profile, its phases and
+#    kernel launches, its step's CUDA graphs over batches of varying sizes), 3. a short fairseq-train with
 #    soft_beam_search and with transformer_topk_attn in fp16 (amp briefly; fairseq 0.12's --bf16 means a TPU),
-#    then fairseq-generate.
+#    then fairseq-generate (scripts/gpu/gpu_train_check.py).
 # Each section's full output goes to OUTDIR/<section>.log; OUTDIR/summary.md collects the tables and the
-# test totals, and is printed at the end. Without a CUDA device it says so and exits 0.
+# test totals, and is printed at the end; the benchmarks' rows also go to OUTDIR/benchmarks.jsonl (--json). Without
+# a CUDA device it says so and exits 0.
 # GPU_CHECK_SECTIONS="tests train ..." runs only the named sections (default: all, in the order below).
 # The interpreter: SOFTTOPK_PYTHON if set (an environment with CUDA torch, triton, fairseq and this package),
 # else the project's .venv, set up by scripts/setup_env.sh (which installs the CUDA build of torch when an
@@ -82,15 +84,17 @@ section() {  # section NAME COMMAND...: run it, log it, add its tables (or its l
 section tests "$py" -m pytest -q -m "not slow" -p no:cacheprovider tests/test_fused_kernels.py tests/test_triton.py \
     tests/test_soft_topk_properties.py tests/test_soft_topk.py tests/test_mixed_precision.py tests/test_check_errors.py \
     tests/test_cuda_graphs.py
-section bench_soft_topk "$py" benchmarks/bench_soft_topk.py --device cuda --repeats 10
-section bench_unsorted_k "$py" benchmarks/bench_unsorted_k.py --device cuda
-section triton_tuning "$py" benchmarks/triton_tuning.py --repeats 10
-section bench_soft_beam "$py" benchmarks/bench_soft_beam.py --device cuda --threads 8 --repeats 10 --candidates 50 0
-section profile_soft_beam "$py" benchmarks/profile_soft_beam.py --device cuda --threads 8
-section soft_beam_phases "$py" benchmarks/soft_beam_phases.py --device cuda --threads 8
-section soft_beam_graph_batches "$py" benchmarks/soft_beam_graph_batches.py --device cuda --threads 8
-section bench_topk_attention "$py" benchmarks/bench_topk_attention.py --device cuda --threads 8 --repeats 10
-section train "$py" benchmarks/gpu_train_check.py --workdir "$out/train"
+section bench_soft_topk "$py" benchmarks/bench_soft_topk.py --device cuda --repeats 10 --json "$out/benchmarks.jsonl"
+section unsorted_any_k "$py" experiments/unsorted_any_k.py --device cuda --json "$out/benchmarks.jsonl"
+section triton_tuning "$py" scripts/gpu/triton_tuning.py --repeats 10
+section bench_soft_beam "$py" benchmarks/bench_soft_beam.py --device cuda --threads 8 --repeats 10 --candidates 50 0 \
+    --json "$out/benchmarks.jsonl"
+section profile_soft_beam "$py" scripts/gpu/profile_soft_beam.py --device cuda --threads 8
+section soft_beam_phases "$py" scripts/gpu/soft_beam_phases.py --device cuda --threads 8
+section soft_beam_graph_batches "$py" scripts/gpu/soft_beam_graph_batches.py --device cuda --threads 8
+section bench_topk_attention "$py" benchmarks/bench_topk_attention.py --device cuda --threads 8 --repeats 10 \
+    --json "$out/benchmarks.jsonl"
+section train "$py" scripts/gpu/gpu_train_check.py --workdir "$out/train"
 
 echo
 cat "$summary"

@@ -1,7 +1,7 @@
 """The unsorted operator across k, at one shape: steps, accuracy and speed from k = 5 to k = n - 1.
 
-    .venv/bin/python benchmarks/bench_unsorted_k.py [--rows 64 --n 1000] [--ks 5 100 500 900 980 995 999]
-        [--device cpu|cuda] [--backends FUSED torch]
+    .venv/bin/python experiments/unsorted_any_k.py [--rows 64 --n 1000] [--ks 5 100 500 900 980 995 999]
+        [--device cpu|cuda] [--backends FUSED torch] [--json PATH]
 
 For each k and backend (by default the fused kernels of the device -- ``cpu``: the C kernels, ``cuda``: Triton --
 and ``torch``, our PyTorch path), on standard normal scores with the paper scaling at epsilon 0.1, it prints the
@@ -9,9 +9,10 @@ mean Newton steps per row, the fraction of rows that report convergence (margina
 float32), the largest error of the output against the same problem solved in float64 to 1e-13, and the largest
 relative error of the unselected mass, |sum_i (1 - A_i) - (n - k)| / (n - k), summed in float64 from the output
 (near k = n the mass that tells a soft top-k from all-ones). Then it times forward + backward of each backend
-and, with the ``bench`` extra, of entmax's ``budget_bisect`` (50 bisection steps, a sparse top-k mask), in turn
-(bench_soft_topk's ``interleaved_medians``; on a GPU each call synchronises), and prints budget_bisect over the
-first backend.
+and, with the ``bench`` extra, of entmax's ``budget_bisect`` (50 bisection steps, a sparse top-k mask),
+alternately with the first backend as the baseline (``benchmarks/harness.py``: rounds after one warm-up round,
+medians; on a GPU the device finished before and after each call), and prints budget_bisect over the first
+backend.
 """
 import argparse
 import os
@@ -19,10 +20,17 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_topk import budget_bisect, fwd_bwd, interleaved_medians  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import harness  # noqa: E402
+from harness import forward_backward  # noqa: E402
 
 from softtopk_fairseq.ops import soft_topk  # noqa: E402
+
+try:  # the peer: entmax's budget_bisect (the `bench` extra), else its columns are left out
+    from entmax import budget_bisect
+except ImportError:  # pragma: no cover
+    budget_bisect = None
 
 EPS = 0.1
 FUSED = {"cpu": "cpu", "cuda": "triton"}
@@ -44,27 +52,17 @@ def accuracy(x, k, backend, ref):
             float((out.double() - ref).abs().max()), float(((unselected - (n - k)).abs() / (n - k)).max()))
 
 
-def synchronised(run, device):
-    """``run``, waiting for the GPU's queue at its end on ``cuda`` (so that a wall-clock time is the call's)."""
-    if device != "cuda":
-        return run
-
-    def run_and_wait():
-        run()
-        torch.cuda.synchronize()
-    return run_and_wait
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--ks", type=int, nargs="+", default=[5, 100, 500, 900, 980, 995, 999])
-    parser.add_argument("--peer-repeats", type=int, default=50, help="calls of each timed op, interleaved")
+    parser.add_argument("--peer-repeats", type=int, default=50, help="rounds of the timed ops (median)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=list(FUSED))
     parser.add_argument("--backends", nargs="+", choices=["cpu", "triton", "torch"],
                         help="default: the device's fused kernels, then torch")
+    harness.add_json_argument(parser)
     args = parser.parse_args()
     backends = args.backends or [FUSED[args.device], "torch"]
     if args.threads:
@@ -80,8 +78,8 @@ def main():
         head += ["budget_bisect", f"budget_bisect/{backends[0]}"]
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"{args.rows}x{args.n}, paper scaling, epsilon {EPS}, torch {torch.__version__}, {where}")
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
+    print(harness.table_header(head))
+    results = harness.Results("unsorted_any_k", args.json, device=args.device)
     for k in args.ks:
         cells = [str(k)]
         ref = float64_solution(x, k)
@@ -91,12 +89,18 @@ def main():
         ops = {b: (lambda z, b=b: soft_topk(z, k, epsilon=EPS, scaling="paper", backend=b)) for b in backends}
         if budget_bisect is not None:
             ops["bisect"] = lambda z: budget_bisect(z, k)
-        t = interleaved_medians({name: synchronised(fwd_bwd(op, x, w), args.device) for name, op in ops.items()},
-                                args.peer_repeats)
-        cells += [f"{t[b] * 1e3:.2f} ms" for b in backends]
+        fns = {name: forward_backward(op, x, w) for name, op in ops.items()}
+        first = backends[0]
+        timed = harness.compare((first, fns.pop(first)), fns, args.peer_repeats, device=args.device)
+        shape = f"{args.rows}x{args.n} k {k}"
+        for name in timed.times:
+            base = None if name == first else first
+            results.add("budget_bisect" if name == "bisect" else name, timed.seconds(name), shape=shape,
+                        baseline=base, baseline_seconds=timed.seconds(first) if base else None)
+        cells += [f"{timed.seconds(b) * 1e3:.2f} ms" for b in backends]
         if budget_bisect is not None:
-            cells += [f"{t['bisect'] * 1e3:.2f} ms", f"{t['bisect'] / t[backends[0]]:.1f}x"]
-        print("| " + " | ".join(cells) + " |", flush=True)
+            cells += [f"{timed.seconds('bisect') * 1e3:.2f} ms", f"{timed.ratio('bisect'):.1f}x"]
+        print(harness.table_row(cells), flush=True)
 
 
 if __name__ == "__main__":

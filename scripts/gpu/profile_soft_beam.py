@@ -1,9 +1,9 @@
 """Where one soft_beam_search update spends its time: torch.profiler over one update (after a warm-up) of
-the demo-size model on the bench_soft_beam batch, the top operators by self CPU and self device time, and
+the demo-size model on the benchmarks' batch (``benchmarks/training_step.py``), the top operators by self CPU and self device time, and
 the number of host-device synchronisations (``aten::_local_scalar_dense``: ``.item()``, ``bool(tensor)``; the
 optimizer step's reads of its CPU step counters left out).
 
-    python benchmarks/profile_soft_beam.py --device cuda [--arch lstm] [--rho 0.8] [--candidates 50]
+    python scripts/gpu/profile_soft_beam.py --device cuda [--arch lstm] [--rho 0.8] [--candidates 50]
 
 With ``--cprofile`` it also prints where the *host* time of an update goes by Python function (cProfile,
 cumulative, our package and fairseq only) -- on a GPU the update is bound by the host issuing operations.
@@ -12,8 +12,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import add_batch_arguments, batch_config, build_model_and_sample, one_update  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+from training_step import (Update, add_batch_arguments, batch_config, build_model_and_sample,  # noqa: E402
+                           soft_beam_criterion)
 
 
 SCALAR_READ = "aten::_local_scalar_dense"  # .item(), bool(tensor): a synchronisation when the tensor is on a device
@@ -28,20 +31,17 @@ def main():
     p.add_argument("--cprofile", action="store_true", help="also the host time by Python function (cProfile)")
     add_batch_arguments(p, repeats=1)
     a = p.parse_args()
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
-
     model, task, sample, device = build_model_and_sample(dict(batch_config(a), arch=a.arch))
-    criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
-        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=a.rho, soft_beam_candidates=a.candidates))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    criterion = soft_beam_criterion(task, teacher_forcing_ratio=a.rho, soft_beam_candidates=a.candidates)
+    update = Update(model, criterion, sample, device)
+    optimizer = update.optimizer
 
-    one_update(model, criterion, sample, optimizer, device)  # warm-up
+    update()  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        one_update(model, criterion, sample, optimizer, device)
+        update()
     events = prof.key_averages()
     reads = sum(e.count for e in events if e.key == SCALAR_READ)
     # Adam reads its step counters (CPU tensors unless capturable) with .item() too: the same profiler event,
@@ -64,7 +64,7 @@ def main():
 
         profiler = cProfile.Profile()
         profiler.enable()
-        one_update(model, criterion, sample, optimizer, device)
+        update()
         profiler.disable()
         stats = pstats.Stats(profiler).sort_stats("cumulative")
         print("host time by function (cProfile, cumulative seconds; one update):")

@@ -8,7 +8,7 @@ Adam step) timed, the kinds alternating batch by batch: teacher forcing, the ``s
 scaling, teacher forcing in the search), and the same with the CUDA graphs. Prints per epoch the total seconds of
 each kind and the ratios to teacher forcing: the first epoch pays every capture, the later ones none.
 
-    python benchmarks/soft_beam_graph_batches.py --device cuda --threads 8 [--batches 40] [--epochs 2]
+    python scripts/gpu/soft_beam_graph_batches.py --device cuda --threads 8 [--batches 40] [--epochs 2]
 
 Off CUDA the graphs are not used (the third kind is the second again).
 """
@@ -17,11 +17,14 @@ import os
 import random
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_beam import (build_model_and_sample, one_update, random_sample, timed_update,  # noqa: E402
-                             update_criterion)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+import harness  # noqa: E402
+from training_step import (TEACHER_FORCING, Update, adam, build_model_and_sample, random_sample,  # noqa: E402
+                           update_criterion)
 
-KINDS = ("teacher forcing", "sum", "sum, CUDA graphs")
+KINDS = (TEACHER_FORCING, "sum", "sum, CUDA graphs")
 
 
 def main():
@@ -42,17 +45,19 @@ def main():
     updates = {}
     for kind in KINDS:
         model, task, _, device = build_model_and_sample(cfg)
-        criterion = update_criterion(kind, task)
-        updates[kind] = (model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4))
+        updates[kind] = (model, update_criterion(kind, task))
     d = task.target_dictionary
     rng = random.Random(0)
     shapes = [(rng.choice(a.bsz_choices), rng.randint(*a.src_lens), rng.randint(*a.tgt_lens))
               for _ in range(a.batches)]
     torch.manual_seed(0)
     batches = [random_sample(d, bsz, S, T, device) for bsz, S, T in shapes]
-    # One untimed teacher-forcing update per kind first: allocators, cuDNN, Triton's compiles are not the graphs'.
-    for model, criterion, optimizer in updates.values():
-        one_update(model, criterion, batches[0], optimizer, device)
+    # One update per kind and batch, each kind with its own Adam across the batches.
+    optimizers = {kind: adam(model) for kind, (model, _) in updates.items()}
+    steps = {kind: [Update(model, criterion, sample, device, optimizers[kind]) for sample in batches]
+             for kind, (model, criterion) in updates.items()}
+    # One untimed update per kind first (the first batch): allocators, cuDNN, Triton's compiles are not the graphs'.
+    harness.warm_up({kind: step[0] for kind, step in steps.items()})
     graphed = updates[KINDS[2]][1].graphs
     graphed.pairs.clear()
     print(f"lstm, {a.batches} batches of {min(a.bsz_choices)}-{max(a.bsz_choices)} sentences "
@@ -63,9 +68,9 @@ def main():
     for epoch in range(a.epochs):
         seconds = dict.fromkeys(KINDS, 0.0)
         before = graphed.captures
-        for sample in batches:
-            for kind, (model, criterion, optimizer) in updates.items():
-                seconds[kind] += timed_update(model, criterion, sample, optimizer, device)[0]
+        for i in range(len(batches)):  # the kinds alternating batch by batch
+            for kind, step in steps.items():
+                seconds[kind] += harness.seconds(step[i], device)
         tf = seconds[KINDS[0]]
         print(f"| {epoch + 1} | " + " | ".join(f"{seconds[k]:.2f}" for k in KINDS) +
               f" | {seconds[KINDS[1]] / tf:.2f} | {seconds[KINDS[2]] / tf:.2f} | {graphed.captures - before} |")

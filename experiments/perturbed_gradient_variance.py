@@ -1,7 +1,7 @@
 """How noisy is the perturbed top-k's gradient? The spread of its Monte-Carlo estimate across seeds, relative to
 its mean, at the operator benchmark's shapes and through the soft beam-search criterion.
 
-    .venv/bin/python benchmarks/perturbed_gradient_variance.py [--seeds 20] [--samples 10 100]
+    .venv/bin/python experiments/perturbed_gradient_variance.py [--seeds 20] [--samples 10 100]
 
 Figures, from ``--seeds`` independent noise draws: ``||std over seeds||_2 / ||g||_2`` (elementwise std, norms over
 all elements; ``||g||^2`` estimated without bias as ``||mean||^2 - ||std||^2 / seeds``, since the mean over seeds
@@ -9,11 +9,11 @@ is itself noisy) -- 1.0 means one estimate's noise is as large as the gradient -
 between two seeds' estimates (1 = the same direction). SOFT top-k and softmax-k-times are deterministic (0 and 1).
 The estimator puts noise on *every* coordinate (``<G, y> Z / sigma``), including those far from the top-k whose
 true derivative is ~0, so the relative noise grows with ``n``. Operator rows: ``perturbed_topk`` at the
-shapes of ``bench_soft_topk.py`` (k = 5, sigma = 0.1 on the paper-normalised scale of the scores, i.e. the
+operator benchmark's shapes (``benchmarks/harness.py``; k = 5, sigma = 0.1 on the paper-normalised scale of the scores, i.e. the
 scores divided by each row's ``effective_epsilon / epsilon``), loss = a fixed random linear function of the
 output, with and without the control variate. Criterion rows: the gradient of L_SOFT (rho 0) with respect to
-all parameters of ``bench_soft_beam.py``'s demo LSTM on a small batch, ``--soft-topk-method perturbed`` (paper
-scaling, sigma 0.1, M = 50).
+all parameters of the benchmarks' demo LSTM (``benchmarks/training_step.py``) on a small batch,
+``--soft-beam-relaxation perturbed`` (paper scaling, sigma ``--soft-beam-epsilon`` 0.1, M = 50).
 """
 import argparse
 import os
@@ -21,8 +21,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_soft_topk import K, SHAPES, make_scores  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from harness import OPERATOR_K as K, OPERATOR_SHAPES as SHAPES, operator_scores  # noqa: E402
 
 from softtopk_fairseq.ops import effective_epsilon, perturbed_topk  # noqa: E402
 
@@ -46,7 +47,7 @@ def operator_rows(shapes, samples_list, seeds, sorted_output):
     gen = torch.Generator().manual_seed(0)
     for name in shapes:
         rows, n = SHAPES[name]
-        x = make_scores(name, rows, n, gen)
+        x = operator_scores(name, rows, n, gen)
         # sigma on the paper's per-row normalised scale, as the criterion and the benchmark's epsilon use it
         scale = effective_epsilon(x, K, epsilon=1.0, sorted=sorted_output, scaling="paper").unsqueeze(-1)
         w = torch.randn(*x.shape, *((K,) if sorted_output else ()), generator=gen)
@@ -64,18 +65,16 @@ def operator_rows(shapes, samples_list, seeds, sorted_output):
 
 
 def criterion_rows(samples_list, seeds):
-    from bench_soft_beam import build_model_and_sample
-
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
+    from training_step import build_model_and_sample, soft_beam_criterion
 
     cfg = dict(arch="lstm", threads=torch.get_num_threads(), device="cpu", bsz=16, src_len=14, tgt_len=16,
                vocab=8000)
     model, task, sample, _ = build_model_and_sample(cfg)
     model.eval()  # no dropout: the perturbation is the only noise
     for samples in samples_list:
-        criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
-            sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=0.0, soft_beam_size=5,
-            soft_beam_candidates=50, soft_topk_method="perturbed", perturbed_sigma=SIGMA, perturbed_samples=samples))
+        criterion = soft_beam_criterion(task, teacher_forcing_ratio=0.0, soft_beam_size=5, soft_beam_candidates=50,
+                                        soft_beam_relaxation="perturbed", soft_beam_epsilon=SIGMA,
+                                        soft_beam_samples=samples)
         grads = []
         for seed in range(seeds):
             torch.manual_seed(seed)

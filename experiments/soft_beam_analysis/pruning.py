@@ -1,25 +1,20 @@
 """Does pruning train the same thing as the exact soft beam search? On batches of a trained checkpoint, for
 each setting and each number of kept candidates M (0 = exact: all k*V), L_SOFT, the cosine similarity of the
-model's gradient to the exact gradient, the pruned-mass bound and the duplicate-beam rate (issue 13, item 3).
+model's gradient to the exact gradient, the pruned-mass bound and the duplicate-beam rate.
 
-    .venv/bin/python benchmarks/soft_beam_pruning.py CHECKPOINT DATA_BIN [--candidates 50 200 0] [--batches 2]
+    .venv/bin/python experiments/soft_beam_analysis/pruning.py CHECKPOINT DATA_BIN [--candidates 50 200 0] \\
+        [--batches 2]
 
 Settings: ``paper`` (rho 0 -- L_SOFT alone, so the gradient is the search's own --, beam 5, eps 0.1, paper
 scaling, argmax bookkeeping) and ``topk_nats`` (topk bookkeeping, eps 1 nat, no scaling) -- change them with
 ``--settings``. The same batches and the same dropout draw (eval mode: no dropout) for every M. ``--json``
-writes the rows for the study's ledger.
+writes the rows for the converged study's ledger (``experiments/multi30k_converged/driver.py``).
 """
-import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soft_beam_grad_norms import load_model_and_batch  # noqa: E402
-
-import softtopk_fairseq.modules.soft_beam_search as search  # noqa: E402
+from checkpoint import batches, checkpoint_arguments, load_model_and_task, search
 
 SETTINGS = {
     "paper": dict(epsilon=0.1, scaling="paper", bookkeeping="argmax"),
@@ -38,9 +33,7 @@ def measure(model, samples, d, beam, candidates, options):
     model.zero_grad()
     loss = tokens = pruned = steps = dup = 0.0
     for sample in samples:
-        ni = sample["net_input"]
-        out = search.soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(),
-                                      eos=d.eos(), beam=beam, candidates=candidates, **options)
+        out = search(model, sample, d, beam=beam, candidates=candidates, **options)
         total = out.nll.sum()
         total.backward()
         loss += total.item()
@@ -54,22 +47,16 @@ def measure(model, samples, d, beam, candidates, options):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint")
-    p.add_argument("data")
-    p.add_argument("--subset", default="valid")
-    p.add_argument("--max-tokens", type=int, default=1000)
+    p = checkpoint_arguments(__doc__, max_tokens=1000, candidates=False)
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--candidates", type=int, nargs="+", default=[50, 200, 0], help="M values (0 = exact)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--json", help="also write the rows here (JSON lines)")
     a = p.parse_args()
-    model, task, sample = load_model_and_batch(a)
+    model, task = load_model_and_task(a)
     model.eval()  # no dropout: M is the only difference between the runs
-    it = task.get_batch_iterator(task.dataset(a.subset), max_tokens=a.max_tokens,
-                                 required_batch_size_multiple=1).next_epoch_itr(shuffle=False)
-    samples = [next(it) for _ in range(a.batches)]
+    samples = batches(task, a, a.batches)
     d = task.target_dictionary
     print(f"{sum(s['target'].shape[0] for s in samples)} sentences of {a.subset}, beam {a.beam}, "
           f"vocabulary {len(d)} (exact = all {a.beam * len(d)} candidates)")

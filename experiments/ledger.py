@@ -1,6 +1,6 @@
-"""The JSON-lines ledgers of the Multi30k studies (``multi30k_study.py``, ``multi30k_converged.py``): one row per
-finished run, appended the moment it finishes, so that a study stopped at any point loses at most the run in
-flight; and the ``mean ± std`` their reports print."""
+"""The JSON-lines ledgers of the Multi30k studies (``multi30k_short/driver.py``, ``multi30k_converged/driver.py``;
+a library, not a script): one row per finished run, appended the moment it finishes, so that a study stopped at
+any point loses at most the run in flight; and the ``mean ± std`` their reports print."""
 import json
 import os
 import statistics

@@ -1,6 +1,6 @@
 """A short end-to-end fairseq run of the plugin on a GPU with mixed precision: train, fine-tune, generate.
 
-    python benchmarks/gpu_train_check.py --workdir work/gpu_check/train [--precisions fp16 amp]
+    python scripts/gpu/gpu_train_check.py --workdir work/gpu_check/train [--precisions fp16 amp]
 
 fairseq 0.12's ``--bf16`` means "on a TPU" (it sets ``--tpu``; on a GPU the trainer then asks for an XLA device),
 so on a GPU its mixed-precision modes are ``--fp16`` and ``--amp``; bf16 through our code is covered by
@@ -30,17 +30,19 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from softtopk_fairseq.pipeline import toy_corpus  # noqa: E402
-from softtopk_fairseq.pipeline.run import ARCH_ARGS, KEEP_LAST_BATCH, USER_DIR, fairseq_cmd  # noqa: E402
+from softtopk_fairseq.pipeline.run import (ARCH_ARGS, KEEP_LAST_BATCH, USER_DIR, fairseq_cmd,  # noqa: E402
+                                           quiet_warnings_env)
 
 PRECISION_FLAGS = {"none": [], "fp16": ["--fp16"], "amp": ["--amp"]}
 SOFT_BEAM = ["--criterion", "soft_beam_search", "--label-smoothing", "0.1", "--teacher-forcing-ratio", "0.8",
-             "--soft-beam-size", "5", "--soft-topk-epsilon", "0.1", "--soft-topk-scaling", "paper",
+             "--soft-beam-size", "5", "--soft-beam-epsilon", "0.1", "--soft-beam-scaling", "paper",
              "--soft-beam-candidates", "50"]
 TF = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
-TOPK_ATTN = ["--arch", "transformer_topk_attn", "--topk-attn-k", "4", "--topk-attn-epsilon", "0.1"]
+TOPK_ATTN = ["--arch", "transformer_topk_attn", "--topk-attn-mode", "soft_topk", "--topk-attn-k", "4",
+             "--topk-attn-epsilon", "0.1"]
 
 
 # fairseq-train's last log line once training and its last checkpoint are done.
@@ -55,8 +57,7 @@ def run(cmd, log_path, done_marker=None):
     the table, not hidden."""
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=quiet_warnings_env())
     seconds = time.perf_counter() - start
     with open(log_path, encoding="utf-8") as f:
         output = f.read()

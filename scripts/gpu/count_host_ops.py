@@ -2,13 +2,13 @@
 or of one soft beam-search update (``--soft-beam``: the criterion's loss and its backward, by where in our code
 each operation is issued).
 
-    .venv/bin/python benchmarks/count_host_ops.py [--rows 6] [--n 40] [--k 3]
-    .venv/bin/python benchmarks/count_host_ops.py --soft-beam [--backend triton] [--top 20] [--rho 0.8] [--tgt-len 8]
-    .venv/bin/python benchmarks/count_host_ops.py --topk-attention [--backend triton]
+    .venv/bin/python scripts/gpu/count_host_ops.py [--rows 6] [--n 40] [--k 3]
+    .venv/bin/python scripts/gpu/count_host_ops.py --soft-beam [--backend triton] [--top 20] [--rho 0.8] [--tgt-len 8]
+    .venv/bin/python scripts/gpu/count_host_ops.py --topk-attention [--backend triton]
 
 On a GPU every tensor operation outside the fused kernels is at least one kernel launch, and every
 ``bool(tensor)`` / ``.item()`` a synchronisation: a soft beam-search update makes ~16 calls per batch, so these
-counts -- not the kernels -- bound it there (docs/results.md, "On a GPU"). They are counted here on CPU
+counts -- not the kernels -- bound it there. They are counted here on CPU
 tensors with a ``TorchDispatchMode``, for the Triton backend under ``TRITON_INTERPRET=1`` (set by this script);
 operations issued inside the kernel launchers (their outputs' allocation, the interpreter's own work) are left
 out -- add the launches themselves, 2 or 3 per call. On CUDA tensors the host code is the same.
@@ -24,6 +24,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are importe
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+from training_step import (ATTENTION_VARIANTS, build_model_and_sample, soft_beam_criterion,  # noqa: E402
+                           teacher_forcing_criterion)
+
 from softtopk_fairseq.ops import soft_topk  # noqa: E402
 
 # ``Tensor.tolist`` reads a CUDA tensor back through one copy (a synchronisation); on a CPU tensor it issues no
@@ -35,9 +41,9 @@ KERNEL_MODULES = ("triton_kernels.py", "cpu_kernels.py")
 def is_view(func) -> bool:
     """Whether ``func`` only makes a new view of a tensor (no kernel on a GPU; left out of the operation counts,
     which the per-call table also prints with them): its schema says its output aliases its input, or it is
-    ``_unsafe_view`` (a view its schema does not mark). Until the twenty-second session names were matched
-    against substrings ("select", "slice", "expand", ...), which also left out ``index_select``,
-    ``select_backward``, ``slice_backward``, ``masked_select`` -- operations that launch kernels."""
+    ``_unsafe_view`` (a view its schema does not mark). Not a match of names against substrings ("select",
+    "slice", "expand", ...), which would also leave out ``index_select``, ``select_backward``, ``slice_backward``,
+    ``masked_select`` -- operations that launch kernels."""
     return getattr(func, "is_view", False) or func is torch.ops.aten._unsafe_view.default
 
 
@@ -113,22 +119,15 @@ def count_update(backend, update):
 def count_soft_beam(backend, top, rho, teacher_forcing_pass, src_len=6, tgt_len=8):
     """One soft beam-search update of the demo LSTM (beam 5, eps 0.1 paper scaling, M 50; ``rho``, 0.8 by
     default; ``--teacher-forcing-pass``, ``search`` by default: what ``auto`` runs on a GPU) on a small batch (8
-    sentences, source length 6, target length 8 by default: 7 soft_topk calls; bench_soft_beam.py's lengths are
-    14 / 16): the criterion's loss and its backward -- and, for scale, one teacher-forcing update
+    sentences, source length 6, target length 8 by default: 7 soft_topk calls; the training-step benchmarks'
+    lengths are 14 / 16): the criterion's loss and its backward -- and, for scale, one teacher-forcing update
     (label_smoothed_cross_entropy) of the same batch."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_soft_beam import build_model_and_sample
-    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
-
-    from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
-
     cfg = dict(arch="lstm", bsz=8, src_len=src_len, tgt_len=tgt_len, vocab=200, threads=1, device="cpu")
     model, task, sample, _ = build_model_and_sample(cfg)
-    criterion = SoftBeamSearchCriterion(task, SoftBeamSearchConfig(
-        sentence_avg=False, label_smoothing=0.1, teacher_forcing_ratio=rho, soft_beam_size=5, soft_beam_candidates=50,
-        soft_topk_scaling="paper", teacher_forcing_pass=teacher_forcing_pass))
+    criterion = soft_beam_criterion(task, teacher_forcing_ratio=rho, soft_beam_size=5, soft_beam_candidates=50,
+                                    soft_beam_scaling="paper", teacher_forcing_pass=teacher_forcing_pass)
     mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
-    teacher_forcing = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    teacher_forcing = teacher_forcing_criterion(task)
     tf_mode, tf_syncs = count_update(backend, lambda: teacher_forcing(model, sample)[0].backward())
     ops, tf_ops = sum(mode.sources.values()), sum(tf_mode.sources.values())
     print(f"one soft beam-search update (LSTM, 8 sentences, lengths {src_len} / {tgt_len}, rho {rho:g}, beam 5, "
@@ -147,18 +146,14 @@ def count_topk_attention(backend):
     """One training step (label-smoothed loss and its backward) of the demo transformer and of
     ``transformer_topk_attn`` with SOFT top-k (k 4, the unsorted operator) in all three attentions (2+2 layers:
     6 soft_topk calls), on a small batch (8 sentences, lengths 6 / 8)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_soft_beam import build_model_and_sample
-    from bench_topk_attention import VARIANTS
-    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
-
     cfg = dict(arch="transformer", bsz=8, src_len=6, tgt_len=8, vocab=200, threads=1, device="cpu")
     print(f"one training step (8 sentences, lengths 6 / 8, k 4), backend {backend}\n\n"
           "| model | tensor operations (views left out) | synchronisations |\n|---|---|---|")
-    for name in ("transformer (softmax)", "transformer_topk_attn soft, all three"):
-        extra = dict(VARIANTS[name], topk_attn_k=4, topk_attn_epsilon=0.1) if "topk" in name else VARIANTS[name]
+    for name in ("transformer (softmax)", "transformer_topk_attn soft_topk, all three"):
+        variant = ATTENTION_VARIANTS[name]
+        extra = dict(variant, topk_attn_k=4, topk_attn_epsilon=0.1) if "topk" in name else variant
         model, task, sample, _ = build_model_and_sample(cfg, extra)
-        criterion = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+        criterion = teacher_forcing_criterion(task)
         mode, syncs = count_update(backend, lambda: criterion(model, sample)[0].backward())
         print(f"| {name} | {sum(mode.sources.values())} | {syncs} |", flush=True)
 
@@ -188,8 +183,7 @@ def main():
         count_topk_attention(args.backend)
         return
     print(f"one soft_topk call, forward + backward, {args.rows}x{args.n}, k={args.k}")
-    # Views first left out of the --soft-beam table only; both columns here, so this table's "with views"
-    # figures in docs/results.md stay comparable.
+    # Both columns here -- views left out, and counted -- so that either figure can be compared.
     print("| backend | scaling | operator | host tensor ops (views left out) | with views | synchronisations |\n"
           "|---|---|---|---|---|---|")
     try:

@@ -1,8 +1,13 @@
-"""The converged Multi30k study (issue 13): soft beam search and top-k attention against *converged* baselines.
+"""The converged Multi30k study: soft beam search and top-k attention against *converged* baselines.
 
-    python benchmarks/multi30k_converged.py run --data ../shared/data/multi30k_en_fr --workdir work/converged \\
-        --ledger docs/results/multi30k_converged.jsonl [--stages pretrain finetune attention] [--seeds 1 2 3]
-    python benchmarks/multi30k_converged.py report --workdir work/converged --ledger docs/results/multi30k_converged.jsonl
+    python experiments/multi30k_converged/driver.py run --data ../shared/data/multi30k_en_fr \\
+        --workdir work/converged --ledger experiments/multi30k_converged/en_fr.jsonl \\
+        [--stages pretrain finetune attention] [--seeds 1 2 3] [--blind DIR]
+    python experiments/multi30k_converged/driver.py report --workdir work/converged \\
+        --ledger experiments/multi30k_converged/en_fr.jsonl
+
+Each language pair has its ledger here, ``experiments/multi30k_converged/en_TGT.jsonl`` (and its kept hypotheses
+beside it, ``en_TGT.hyps/``), and its own workdir.
 
 Any line-aligned English-X data works (``prepare.py`` is the WMT14 en-fr recipe's): ``--data DIR`` with
 ``DIR/train``, ``DIR/val`` and ``DIR/test_2016_flickr`` (``.en`` and one ``.TGT``, the target language, read from the
@@ -41,7 +46,8 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   setting, distinct beams (``--soft-beam-bookkeeping topk``), and distinct beams with the temperature in nats; the
   one with the highest val BLEU is ``soft_beam_best``, which ``finetune`` then runs on every seed.
 * ``pruning`` -- on the first seed's converged checkpoint, M = 50 / 200 / exact compared on the same batches
-  (``soft_beam_pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams), one ledger entry.
+  (``experiments/soft_beam_analysis/pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams),
+  one ledger entry.
 * ``attention`` -- the transformer from scratch with softmax, SOFT top-k, hard top-k and perturbed top-k (16 and
   64 samples) encoder-decoder attention (``ATTENTION``; ``--attention-modes`` picks), with the pre-training's
   convergence rule.
@@ -77,11 +83,15 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from jsonl_ledger import append_row, mean_std, rows_by_key
-from softtopk_fairseq.pipeline.run import run_logged
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(HERE))  # experiments/: the ledger
+from ledger import append_row, mean_std, rows_by_key  # noqa: E402
+from softtopk_fairseq.pipeline.run import quiet_warnings_env, run_logged  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
+PRUNING = os.path.join(REPO_ROOT, "experiments", "soft_beam_analysis", "pruning.py")
 BEAM = 5
 
 # Validation BLEU inside fairseq-train, as evaluate.sh scores it (beam 5, the same length limits).
@@ -108,29 +118,33 @@ TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--e
 # instead of the default 16 -- a Monte-Carlo gradient with half the noise, which tests whether that noise is why
 # the perturbed arm trains worse.
 ATTENTION = {"softmax": ["--topk-attn-mode", "softmax", "--topk-attn-inference", "same"],
-             "soft_topk": ["--topk-attn-mode", "soft", "--topk-attn-inference", "same"],
-             "hard_topk": ["--topk-attn-mode", "hard", "--topk-attn-inference", "same"],
-             "perturbed": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard"],
-             "perturbed_64": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard",
+             "soft_topk": ["--topk-attn-mode", "soft_topk", "--topk-attn-inference", "same"],
+             "hard_topk": ["--topk-attn-mode", "hard_topk", "--topk-attn-inference", "same"],
+             "perturbed": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard_topk"],
+             "perturbed_64": ["--topk-attn-mode", "perturbed", "--topk-attn-inference", "hard_topk",
                               "--topk-attn-samples", "64"]}
 # The fairness check of the earlier-stopping baseline: softmax attention with a longer early-stopping patience.
 ATTENTION["softmax_patience10"] = ATTENTION["softmax"]
 # Arms whose early-stopping patience is not --patience.
 PATIENCE = {"softmax_patience10": 10}
+# (Ledger rows keep the arguments they were trained with: rows before the criterion's flags were renamed hold
+# their old names -- --soft-topk-epsilon, --soft-topk-scaling, --soft-topk-method, --perturbed-sigma -- which
+# fairseq still accepts.)
 PAPER = ["--teacher-forcing-ratio", "0.8", "--teacher-forcing-mode", "sum", "--soft-beam-size", "5",
-         "--soft-topk-epsilon", "0.1", "--soft-topk-scaling", "paper", "--soft-beam-bookkeeping", "argmax"]
+         "--soft-beam-epsilon", "0.1", "--soft-beam-scaling", "paper", "--soft-beam-bookkeeping", "argmax"]
 FINETUNE_RUNS = {
     "tf": ["--teacher-forcing-ratio", "1.0"],  # the criterion at rho 1 is label_smoothed_cross_entropy exactly
     "soft_beam_paper": PAPER,
-    "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times"],
+    "softmax_k_times": PAPER + ["--soft-beam-relaxation", "softmax_k_times"],
     "soft_beam_topk_bookkeeping": PAPER + ["--soft-beam-bookkeeping", "topk"],
     # the temperature in nats (no scaling) with distinct beams: the pruning comparison's second setting
-    "soft_beam_nats": PAPER + ["--soft-beam-bookkeeping", "topk", "--soft-topk-scaling", "none",
-                               "--soft-topk-epsilon", "1.0"],
-    "perturbed": PAPER + ["--soft-topk-method", "perturbed", "--perturbed-sigma", "0.1"],
+    "soft_beam_nats": PAPER + ["--soft-beam-bookkeeping", "topk", "--soft-beam-scaling", "none",
+                               "--soft-beam-epsilon", "1.0"],
+    # the noise's sigma: --soft-beam-epsilon, 0.1 in PAPER
+    "perturbed": PAPER + ["--soft-beam-relaxation", "perturbed"],
 }
-# Item 2 (c): the soft beam-search settings swept on one seed (--sweep-seed); ``soft_beam_best`` in --runs is the
-# one of them with the highest val BLEU there (the earlier in this order on a tie), chosen on val only.
+# The soft beam-search settings swept on one seed (--sweep-seed); ``soft_beam_best`` in --runs is the one of them
+# with the highest val BLEU there (the earlier in this order on a tie), chosen on val only.
 SWEEP = ["soft_beam_paper", "soft_beam_topk_bookkeeping", "soft_beam_nats"]
 BEST = "soft_beam_best"
 DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times", BEST]
@@ -446,7 +460,8 @@ class Study:
                os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
                *shlex.split(self.args.extra_args)]
         start = time.time()
-        run_logged(cmd, log, env={**MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}, echo=self.args.verbose)
+        # fairseq's own deprecation warnings filtered (quiet_warnings_env), every other warning kept in the log
+        run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose)
         seconds = time.time() - start
         logs = [TrainLog(os.path.join(save, f))
                 for f in sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))]
@@ -477,8 +492,8 @@ class Study:
         return row
 
     def pruning(self, seed: int) -> None:
-        """Item 3: on the converged checkpoint of ``seed``, M = 50 / 200 / exact for the paper's setting and topk
-        bookkeeping in nats (``soft_beam_pruning.py``), the rows recorded as one ledger entry."""
+        """On the converged checkpoint of ``seed``, M = 50 / 200 / exact for the paper's setting and topk
+        bookkeeping in nats (:data:`PRUNING`), the rows recorded as one ledger entry."""
         key = f"pruning.rnnsearch.seed{seed}"
         if key in rows_by_key(self.ledger):
             print(f"{key}: in the ledger, skipped", flush=True)
@@ -489,7 +504,7 @@ class Study:
         out = os.path.join(self.args.workdir, f"{key}.jsonl")
         if os.path.exists(out):
             os.remove(out)  # a half-written earlier attempt
-        run_logged([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "soft_beam_pruning.py"), start,
+        run_logged([sys.executable, PRUNING, start,
                     os.path.join(self.data, "bin"), "--batches", str(self.args.pruning_batches), "--json", out],
                    os.path.join(self.args.workdir, f"{key}.log"))
         with open(out, encoding="utf-8") as f:

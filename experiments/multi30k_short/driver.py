@@ -1,8 +1,9 @@
-"""The Multi30k en-fr study (issue 6): the WMT14 recipe's own scripts on 29k pairs of real text, at CPU scale.
+"""The short Multi30k en-fr study: the WMT14 recipe's own scripts on 29k pairs of real text, at CPU scale (short
+runs; the converged study is ``experiments/multi30k_converged/driver.py``).
 
-    python benchmarks/multi30k_study.py run    --data ../shared/data/multi30k_en_fr --workdir work/study
-    python benchmarks/multi30k_study.py report --workdir work/study            # markdown tables
-    python benchmarks/multi30k_study.py plot   --workdir work/study --out docs/figures
+    python experiments/multi30k_short/driver.py run    --data ../shared/data/multi30k_en_fr --workdir work/study
+    python experiments/multi30k_short/driver.py report --workdir work/study            # markdown tables
+    python experiments/multi30k_short/driver.py plot   --workdir work/study --out docs/figures
 
 ``run`` prepares the data with ``examples/wmt14_en_fr/prepare.py`` (sentencepiece, 8k), pre-trains one
 teacher-forcing RNNsearch with ``train.sh``, then fine-tunes it for ``--finetune-updates`` updates per
@@ -24,10 +25,13 @@ import sys
 import time
 from typing import Dict, List
 
-from jsonl_ledger import append_row, mean_std, rows_by_key
-from softtopk_fairseq.pipeline.run import run_logged
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(HERE))  # experiments/: the ledger
+from ledger import append_row, mean_std, rows_by_key  # noqa: E402
+from softtopk_fairseq.pipeline.run import quiet_warnings_env, run_logged  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
 
 # CPU scale: the rnnsearch default size (256-unit GRUs), Adam at a constant rate (the recipe's manual
@@ -38,22 +42,25 @@ COMMON = ["--cpu", "--max-tokens", "4096", "--batch-size", "256", "--num-workers
 PRETRAIN = ["--arch", "rnnsearch", "--lr", "0.001", "--update2lr", "{'1': 0.001}"]
 FINETUNE = ["--arch", "rnnsearch", "--lr", "0.0001"]
 TF_RUN = ["--teacher-forcing-ratio", "1.0"]  # the criterion at rho = 1 is label_smoothed_cross_entropy exactly
-PAPER = ["--teacher-forcing-ratio", "0.8", "--soft-beam-size", "5", "--soft-topk-epsilon", "0.1",
-         "--soft-topk-scaling", "paper", "--soft-beam-candidates", "50"]
+PAPER = ["--teacher-forcing-ratio", "0.8", "--soft-beam-size", "5", "--soft-beam-epsilon", "0.1",
+         "--soft-beam-scaling", "paper", "--soft-beam-candidates", "50"]
+# The criterion's epsilon flag, and its name in the rows recorded before it was renamed (their ``extra``).
+EPSILON_FLAGS = ("--soft-beam-epsilon", "--soft-topk-epsilon")
 
 
 # Run name -> extra arguments of finetune_soft_beam.sh (after the recipe's defaults), one run per seed.
 FINETUNE_RUNS = {"tf": TF_RUN, "soft_beam": PAPER,
-                 # Temperature 0.1 nats (measured before --soft-topk-scaling applied to softmax_k_times) ...
-                 "softmax_k_times": PAPER + ["--soft-topk-method", "softmax_k_times", "--soft-topk-scaling", "none"],
+                 # Temperature 0.1 nats (measured before the scaling applied to softmax_k_times) ...
+                 "softmax_k_times": PAPER + ["--soft-beam-relaxation", "softmax_k_times", "--soft-beam-scaling",
+                                             "none"],
                  # ... and the same temperature as the OT operator's at eps 0.1 with the paper's scaling.
-                 "softmax_k_times_paper_scaling": PAPER + ["--soft-topk-method", "softmax_k_times"]}
+                 "softmax_k_times_paper_scaling": PAPER + ["--soft-beam-relaxation", "softmax_k_times"]}
 
 
 def sweep_runs(args) -> Dict[str, List[str]]:
     runs = {}
     for eps in args.sweep_epsilon:
-        runs[f"soft_beam_eps{eps:g}"] = PAPER + ["--soft-topk-epsilon", f"{eps:g}"]
+        runs[f"soft_beam_eps{eps:g}"] = PAPER + ["--soft-beam-epsilon", f"{eps:g}"]
     for rho in args.sweep_rho:
         runs[f"soft_beam_rho{rho:g}"] = PAPER + ["--teacher-forcing-ratio", f"{rho:g}"]
     for beam in args.sweep_beam:
@@ -82,8 +89,8 @@ def best_sweep_run(results: Dict[str, dict], names: List[str], seed: int):
 
 ATTENTION = {
     "softmax": ["--topk-attn-mode", "softmax"],
-    "soft_topk": ["--topk-attn-mode", "soft"],
-    "hard_topk": ["--topk-attn-mode", "hard"],
+    "soft_topk": ["--topk-attn-mode", "soft_topk"],
+    "hard_topk": ["--topk-attn-mode", "hard_topk"],
 }
 TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--encoder-layers", "2",
                "--decoder-layers", "2", "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
@@ -94,8 +101,9 @@ TRANSFORMER = ["--arch", "transformer_topk_attn", "--share-all-embeddings", "--e
 
 
 def sh(cmd: List[str], log: str, env_extra=None) -> str:
-    """Run ``cmd`` with the pipeline's runner (output to stdout and ``log``; raises on failure)."""
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", **(env_extra or {}))
+    """Run ``cmd`` with the pipeline's runner (output to stdout and ``log``; raises on failure), fairseq's own
+    deprecation warnings filtered (``quiet_warnings_env``)."""
+    env = dict(quiet_warnings_env(), PYTHON=sys.executable, **(env_extra or {}))
     return run_logged(cmd, log, env=env)
 
 
@@ -267,9 +275,11 @@ def training_curve(log_path: str, key: str) -> List[tuple]:
     return points
 
 
-def last_value(argv: List[str], flag: str) -> str:
-    """The value fairseq takes for ``flag``: the one after its last occurrence."""
-    return argv[len(argv) - argv[::-1].index(flag)]
+def last_value(argv: List[str], flag) -> str:
+    """The value fairseq takes for ``flag`` (or for the last given of several names of one flag, a tuple): the one
+    after its last occurrence."""
+    flags = (flag,) if isinstance(flag, str) else tuple(flag)
+    return argv[max(i for i, arg in enumerate(argv) if arg in flags) + 1]
 
 
 def plot(args) -> None:
@@ -285,7 +295,7 @@ def plot(args) -> None:
     for r in results.values():
         extra = r.get("extra") or []
         if r["group"] == "soft_beam" or r["group"].startswith("soft_beam_eps"):
-            eps = float(last_value(extra, "--soft-topk-epsilon"))
+            eps = float(last_value(extra, EPSILON_FLAGS))
             eps_points.setdefault(eps, []).append(r["bleu"]["valid"])
     tf = [r["bleu"]["valid"] for r in results.values() if r["group"] == "tf"]
     if eps_points:

@@ -1,36 +1,34 @@
 """Launch parameters of the Triton kernels, and where the time of one soft_topk call goes, on a GPU.
 
-    python benchmarks/triton_tuning.py [--shapes beam generic attention] [--repeats 20]
+    python scripts/gpu/triton_tuning.py [--shapes beam generic attention] [--repeats 20]
 
-For each shape (the bench_soft_topk shapes, sorted, k = 5, the paper's scaling) it captures the inputs the
+For each shape (the operator benchmark's shapes, ``benchmarks/harness.py``; sorted, k = 5, the paper's scaling) it captures the inputs the
 ``TritonBackend`` hands the kernels during a real call, then times the forward and backward kernels alone
 (CUDA events, median) for each ``BLOCK_N`` x ``num_warps``, and the whole call (forward + backward through
 autograd) for comparison -- the difference is the host-side work around the kernels. The default launch
 parameters are the row marked ``*``.
 """
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
-from softtopk_fairseq.ops import soft_topk
-from softtopk_fairseq.ops import triton_kernels as tk
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+import harness  # noqa: E402
+from harness import OPERATOR_K as K, OPERATOR_SHAPES as SHAPES, operator_scores  # noqa: E402
 
-SHAPES = {"generic": (64, 1000), "attention": (7680, 32), "beam": (8, 50000)}
-K = 5
+from softtopk_fairseq.ops import soft_topk  # noqa: E402
+from softtopk_fairseq.ops import triton_kernels as tk  # noqa: E402
 
 
 def cuda_time(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``repeats`` calls of ``fn`` on the GPU's clock, after one warm-up call."""
+    harness.warm_up({"fn": fn})
+    return statistics.median(harness.rounds({"fn": fn}, repeats, timer=harness.cuda_event_seconds)["fn"]) * 1e3
 
 
 def captured_args(x, w):
@@ -67,9 +65,7 @@ def main():
     for name in args.shapes:
         rows, n = SHAPES[name]
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(rows, n, generator=gen)
-        if name == "beam":
-            x = torch.log_softmax(3 * x, -1)
+        x = operator_scores(name, rows, n, gen)
         x, w = x.cuda(), torch.randn(rows, n, K, generator=gen).cuda()
         fwd_args, bwd_args = captured_args(x, w)
         mp = tk.padded_anchors(K + 1)

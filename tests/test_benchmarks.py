@@ -1,0 +1,171 @@
+"""The user benchmarks (benchmarks/: the operator, the soft beam-search update, the top-k attention step) run end
+to end at tiny sizes and write their JSON rows; their timing harness alternates a baseline with the rows, takes
+ratios from the same rounds and writes the rows' fields -- checked on functions whose cost is known."""
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+import harness  # noqa: E402
+
+ROW_KEYS = {"benchmark", "row", "seconds", "ratio", "baseline", "figures", "machine", "command", "date"}
+BATCH = ["--bsz", "4", "--src-len", "5", "--tgt-len", "4", "--vocab", "60", "--repeats", "1", "--threads", "1"]
+
+
+def bench(script, *args, timeout=600):
+    out = subprocess.run([sys.executable, os.path.join(BENCH, script), *map(str, args)], capture_output=True,
+                         text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def table(stdout):
+    """The markdown table's rows (header first), cells stripped."""
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in stdout.splitlines()
+            if line.startswith("| ") and "---" not in line]
+
+
+def test_harness_times_the_baseline_alternately_with_the_rows_and_takes_ratios_from_the_same_rounds(tmp_path):
+    calls = []
+
+    def sleeping(name, seconds):
+        def fn():
+            calls.append(name)
+            time.sleep(seconds)
+        return fn
+
+    timed = harness.compare(("base", sleeping("base", 0.01)), {"slow": sleeping("slow", 0.03),
+                                                                "fast": sleeping("fast", 0.001)}, repeats=5, warmup=2)
+    # two untimed warm-up rounds, then five timed rounds, the baseline first in each
+    assert calls == ["base", "slow", "fast"] * 7
+    assert timed.baseline == "base" and timed.rows == ["slow", "fast"]
+    assert all(len(t) == 5 for t in timed.times.values())
+    assert timed.seconds("slow") == sorted(timed.times["slow"])[2]  # the median of the rounds
+    assert 1.8 < timed.ratio("slow") < 4.5 and timed.ratio("fast") < 0.8  # 30 ms / 10 ms; 1 ms / 10 ms
+    assert timed.ratio("slow") == timed.seconds("slow") / timed.seconds("base")
+    with pytest.raises(ValueError, match="also one of the rows"):
+        harness.compare(("base", calls.clear), {"base": calls.clear}, repeats=1)
+
+    path = tmp_path / "rows.jsonl"
+    results = harness.Results("bench_x", str(path), command=["bench_x.py", "--json", str(path)])
+    results.add("base", timed.seconds("base"), shape="4x8")
+    results.add("slow", timed.seconds("slow"), shape="4x8", baseline="base", baseline_seconds=timed.seconds("base"),
+                peak_mib=1.5)
+    harness.Results("bench_y", str(path), threads=3).add("other", 2.0, config={"k": 2})  # appended, not replaced
+    rows = harness.read_rows(str(path))
+    assert [(r["benchmark"], r["row"]) for r in rows] == [("bench_x", "base"), ("bench_x", "slow"), ("bench_y", "other")]
+    assert all(ROW_KEYS <= set(r) for r in rows)
+    assert rows[0]["baseline"] is None and rows[0]["ratio"] is None and rows[0]["shape"] == "4x8"
+    assert rows[1]["baseline"] == {"row": "base", "seconds": timed.seconds("base")}
+    assert rows[1]["ratio"] == pytest.approx(timed.ratio("slow")) and rows[1]["figures"] == {"peak_mib": 1.5}
+    assert rows[2]["config"] == {"k": 2} and "shape" not in rows[2] and rows[2]["machine"]["threads"] == 3
+    assert {"platform", "python", "torch", "threads", "device"} <= set(rows[0]["machine"])
+    assert rows[0]["command"] == ["bench_x.py", "--json", str(path)] and rows[2]["command"] == sys.argv
+    assert datetime.datetime.fromisoformat(rows[0]["date"]).tzinfo is not None
+
+
+def test_training_step_times_a_baseline_update_alternately_in_the_process():
+    """The training-step benchmarks take each row's ratio against baseline updates timed alternately with the
+    row's own (training_step.time_updates' ``baseline``), the row's peak read before the baseline exists: the
+    order of the updates."""
+    from training_step import build_model_and_sample, time_updates, warmup_updates
+
+    cfg = dict(arch="lstm", bsz=2, src_len=3, tgt_len=3, vocab=40, threads=1, device="cpu")
+    model, task, sample, device = build_model_and_sample(cfg)
+    calls = []
+
+    def criterion_named(name):
+        def criterion(model, sample):
+            calls.append(name)
+            loss = model(**sample["net_input"])[0].float().logsumexp(-1).mean()
+            return loss, 1, {}
+        return criterion
+
+    def baseline():
+        calls.append("built")
+        return build_model_and_sample(cfg)[0], criterion_named("tf")
+
+    seconds, _, peak, tf_seconds = time_updates(model, criterion_named("row"), sample, device, 3, 2, baseline)
+    assert calls == ["row", "row", "built", "tf", "tf"] + ["tf", "row"] * 3
+    assert seconds > 0 and tf_seconds > 0 and peak > 0
+    calls.clear()
+    assert time_updates(model, criterion_named("row"), sample, device, 2, 1)[3] is None
+    assert calls == ["row"] * 3
+    assert [warmup_updates(dict(device=d, warmup=w)) for d, w in [("cpu", None), ("cuda:0", None), ("cuda", 2)]] == [
+        1, 5, 2]
+
+
+def test_operator_benchmark_prints_its_table_and_writes_its_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    out = bench("bench_soft_topk.py", "--shapes", "generic", "--repeats", "1", "--peer-repeats", "2",
+                "--no-unrolled", "--threads", "1", "--json", path)
+    rows = table(out)
+    assert len(rows) == 2 and rows[1][0] == "generic 64x1000" and len(rows[1]) == 17, out
+    records = {r["row"]: r for r in harness.read_rows(str(path))}
+    assert {"ours sorted", "ours sorted torch path", "paper 200it", "torch.topk", "ours unsorted",
+            "ours unsorted torch path", "perturbed 10 unsorted", "perturbed 100 unsorted"} <= set(records)
+    assert "unrolled 200it" not in records  # --no-unrolled
+    assert all(r["shape"] == "generic 64x1000" and r["benchmark"] == "bench_soft_topk" for r in records.values())
+    paper, ours = records["paper 200it"], records["ours sorted"]
+    assert paper["baseline"]["row"] == "ours sorted" and ours["baseline"] is None
+    assert paper["ratio"] == pytest.approx(paper["seconds"] / paper["baseline"]["seconds"])
+    assert rows[1][rows[0].index("paper/ours")] == f"{paper['ratio']:.1f}x"  # the table's ratio is the row's
+    assert records["perturbed 100 unsorted"]["baseline"]["row"] == "ours unsorted"
+    assert 0 < ours["figures"]["max_abs_error"] < 1e-5 and ours["figures"]["bwd_peak_mib"] > 0
+
+
+def test_soft_beam_benchmark_prints_its_table_and_writes_its_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    # (one teacher-forcing pass: each configuration is a process of its own, and the passes are the criterion's)
+    out = bench("bench_soft_beam.py", "--archs", "lstm", "--candidates", "20", "--beam", "2", "--relaxations",
+                "soft_topk", "perturbed", "--teacher-forcing-passes", "separate", *BATCH, "--json", path)
+    rows = table(out)
+    # header, teacher forcing, and per relaxation: sum, rho 0, sample (expected)
+    assert len(rows) == 1 + 1 + 2 * 3, out
+    assert [r[2] for r in rows[2:]] == ["soft_topk"] * 3 + ["perturbed"] * 3
+    assert [r[1] for r in rows[2:5]] == ["soft_beam_search, rho 0.8, sum, teacher forcing separate",
+                                         "soft_beam_search, rho 0 (L_SOFT only)",
+                                         "soft_beam_search, rho 0.8, sample (expected: rho t_TF + (1-rho) t_SOFT)"]
+    records = harness.read_rows(str(path))
+    assert [r["row"] for r in records] == [r[1] for r in rows[1:]]
+    assert records[0]["row"] == "label_smoothed_cross_entropy" and records[0]["baseline"] is None
+    for record, row in zip(records[1:], rows[2:]):
+        assert record["baseline"]["row"] == "label_smoothed_cross_entropy" and record["baseline"]["seconds"] > 0
+        assert row[5] == f"{record['ratio']:.2f}"  # x teacher forcing: against the row's own baseline updates
+        assert record["config"]["relaxation"] == row[2] and record["config"]["candidates"] == 20
+    sample, only = records[3], records[2]  # sample mode's expected time: rho t_TF + (1 - rho) t_SOFT
+    assert sample["seconds"] == pytest.approx(0.8 * only["baseline"]["seconds"] + 0.2 * only["seconds"])
+    assert all(r["machine"]["threads"] == 1 for r in records)
+
+
+def test_topk_attention_benchmark_prints_its_table_and_writes_its_rows(tmp_path):
+    from training_step import ATTENTION_VARIANTS
+
+    path = tmp_path / "rows.jsonl"
+    out = bench("bench_topk_attention.py", *BATCH, "--json", path)
+    rows = table(out)
+    assert [r[0] for r in rows[1:]] == list(ATTENTION_VARIANTS), out
+    records = harness.read_rows(str(path))
+    assert [r["row"] for r in records] == list(ATTENTION_VARIANTS)
+    assert records[0]["baseline"] is None and rows[1][2] == "1.00"
+    for record, row in zip(records[1:], rows[2:]):
+        assert record["baseline"]["row"] == "transformer (softmax)" and row[2] == f"{record['ratio']:.2f}"
+    modes = [r["config"].get("topk_attn_mode") for r in records]
+    assert modes == [None, "soft_topk", "hard_topk", "soft_topk", "perturbed"]
+
+
+def test_user_benchmarks_import_only_the_libraries():
+    """benchmarks/ holds the three benchmarks and two libraries; a benchmark imports the libraries, never another
+    benchmark."""
+    scripts = {"bench_soft_topk.py", "bench_soft_beam.py", "bench_topk_attention.py"}
+    assert {f for f in os.listdir(BENCH) if f.endswith(".py")} == scripts | {"harness.py", "training_step.py"}
+    for name in scripts | {"training_step.py"}:
+        with open(os.path.join(BENCH, name), encoding="utf-8") as f:
+            imported = set(re.findall(r"^\s*(?:from|import) (\w+)", f.read(), flags=re.M))
+        assert not imported & {s[:-3] for s in scripts}, (name, imported)

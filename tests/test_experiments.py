@@ -1,0 +1,576 @@
+"""The studies' drivers and the one-off analyses (experiments/) run end to end on tiny data or a tiny checkpoint;
+their figures come from real runs. The converged study's full run is marked slow; a fast sibling covers its
+ledger, resumption, refusals and blind translations with one training run."""
+import argparse
+import builtins
+import gzip
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from file_tree import snapshot
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(REPO, "experiments")
+ANALYSIS = os.path.join(EXPERIMENTS, "soft_beam_analysis")
+CONVERGED = os.path.join(EXPERIMENTS, "multi30k_converged", "driver.py")
+SHORT = os.path.join(EXPERIMENTS, "multi30k_short", "driver.py")
+TINY_RNNSEARCH = ("--encoder-embed-dim 8 --decoder-embed-dim 8 --encoder-hidden-size 8 --decoder-hidden-size 8 "
+                  "--attention-dim 8 --maxout-dim 8")
+
+
+def load(name, path):
+    """The script at ``path`` imported as module ``name`` (the two drivers share a file name)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def script(path, *args, timeout=600):
+    out = subprocess.run([sys.executable, path, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def table(stdout):
+    """The markdown table rows of ``stdout`` (header first), cells stripped."""
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in stdout.splitlines()
+            if line.startswith("| ") and "---" not in line]
+
+
+# ----------------------------------------------------------------------------- the one-off analyses ----
+
+def test_perturbed_gradient_variance_prints_its_table():
+    out = script(os.path.join(EXPERIMENTS, "perturbed_gradient_variance.py"), "--shapes", "generic", "--samples", "2",
+                 "--seeds", "3", "--threads", "1")
+    rows = table(out)
+    assert len(rows) == 1 + 2 * 2 + 1, out  # header, (unsorted, sorted) x control variate, criterion
+    assert rows[-1][0].startswith("soft_beam_search L_SOFT")
+    cosines = [float(row[-1]) for row in rows[1:]]
+    assert all(-1 <= c < 1 for c in cosines)  # a Monte-Carlo estimate: never exactly the same over seeds
+
+
+def test_softmax_k_times_regression_compares_with_a_git_revision(tmp_path):
+    out = script(os.path.join(EXPERIMENTS, "softmax_k_times_regression.py"), "--against", "HEAD", "--shapes", "4x30",
+                 "2x7", "--repeats", "1", "--threads", "1", "--json", tmp_path / "rows.jsonl")
+    rows = table(out)
+    assert [row[0] for row in rows[1:]] == ["4x30", "2x7"] and all(float(row[4]) > 0 for row in rows[1:]), out
+    with open(tmp_path / "rows.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["row"], r["baseline"]["row"], r["shape"]) for r in records] == [("this", "HEAD", "4x30"),
+                                                                                ("this", "HEAD", "2x7")]
+
+
+@pytest.mark.parametrize("backends", [[], ["--backends", "triton", "torch"]])  # Triton: the interpreter here
+def test_unsorted_any_k_prints_its_table(backends, tmp_path):
+    out = script(os.path.join(EXPERIMENTS, "unsorted_any_k.py"), "--rows", "4", "--n", "300", "--ks", "5", "150",
+                 "299", "--peer-repeats", "2", "--threads", "1", *backends, "--json", tmp_path / "rows.jsonl")
+    rows = table(out)
+    assert [r[0] for r in rows[1:]] == ["5", "150", "299"], out
+    converged = [c for r in rows[1:] for c, name in zip(r, rows[0]) if name.endswith("converged")]
+    assert converged == ["100%"] * 6, out  # both backends, every k (k = n - 1 included)
+    with open(tmp_path / "rows.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    first = backends[1] if backends else "cpu"
+    assert {r["shape"] for r in records} == {"4x300 k 5", "4x300 k 150", "4x300 k 299"}
+    assert all(r["baseline"] is None if r["row"] == first else r["baseline"]["row"] == first for r in records)
+
+
+def test_recording_relaxation_sees_every_step_and_changes_nothing():
+    """The analyses' recording SOFT top-k, passed to the search as its relaxation, computes what the search's own
+    computes (the same output) and records one call per decoding step; with a backend, it solves there."""
+    sys.path.insert(0, ANALYSIS)
+    import torch
+    from checkpoint import RecordingSoftTopK, search
+    from tiny_models import batch, build, dictionary
+
+    d = dictionary(12)
+    model, sample = build("lstm", d, dtype=torch.float32).eval(), batch(d, tgt_lens=(5, 4, 6))
+    with torch.no_grad():
+        plain = search(model, sample, d, beam=3, relaxation="soft_topk", epsilon=0.5, scaling="none")
+        recording = RecordingSoftTopK(3, 0.5, "none", backend="torch")
+        recorded = search(model, sample, d, beam=3, relaxation=recording)
+    assert torch.equal(plain.hypotheses, recorded.hypotheses)
+    assert torch.allclose(plain.nll, recorded.nll, atol=1e-5)
+    assert len(recording.calls) == sample["target"].shape[1] - 1  # the last step has no relaxed top-k
+    kept, A = recording.calls[0]
+    assert A.shape == (*kept.shape, 3) and torch.allclose(recording.solve(kept, "torch"), A)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(toy_data_bin, tmp_path_factory):
+    from fairseq_cli import USER_DIR, fairseq, tiny_arch
+
+    save = tmp_path_factory.mktemp("analysis_checkpoint")
+    fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "1", *tiny_arch("lstm"),
+            "--optimizer", "adam", "--lr", "0.005", "--max-tokens", "400", "--max-update", "2", "--save-dir", save,
+            "--no-epoch-checkpoints", "--num-workers", "0", "--required-batch-size-multiple", "1")
+    return save / "checkpoint_last.pt"
+
+
+@pytest.mark.parametrize("name,args", [
+    ("grad_norms.py", ["--eval-mode"]),
+    ("duplicates.py", ["--beam", "2"]),
+    ("backend_drift.py", ["--beam", "2"]),
+])
+def test_checkpoint_analyses_print_their_tables(tiny_checkpoint, toy_data_bin, name, args):
+    out = script(os.path.join(ANALYSIS, name), tiny_checkpoint, toy_data_bin, "--max-tokens", "200", "--candidates",
+                 "10", *args)
+    rows = table(out)
+    if name == "grad_norms.py":  # teacher forcing + one row per setting, finite figures
+        grad_norms = load("grad_norms", os.path.join(ANALYSIS, "grad_norms.py"))
+        assert len(rows) == 2 + len(grad_norms.SETTINGS), out
+        assert all(float(cell) < float("inf") for row in rows[1:] for cell in row[1:]), out
+    elif name == "duplicates.py":  # 2 scalings x 2 bookkeepings, "d / n" with n > 0
+        assert len(rows) == 5 and all(int(row[2].split("/")[1]) > 0 for row in rows[1:]), out
+    else:  # one row per decoding step; step 0 sees the same scores in both runs
+        assert len(rows) >= 3 and float(rows[1][1]) == 0.0, out
+        assert all(float(row[3]) < 1e-4 for row in rows[1:]), out  # the solvers agree on the same scores
+
+
+def test_pruning_analysis_compares_every_m_with_the_exact_search(tiny_checkpoint, toy_data_bin, tmp_path):
+    script(os.path.join(ANALYSIS, "pruning.py"), tiny_checkpoint, toy_data_bin, "--max-tokens", "200", "--batches", "1",
+           "--beam", "2", "--candidates", "4", "20", "0", "--json", tmp_path / "rows.jsonl")
+    with open(tmp_path / "rows.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["setting"], r["candidates"]) for r in rows] == [
+        ("paper", 4), ("paper", 20), ("paper", 0), ("topk_nats", 4), ("topk_nats", 20), ("topk_nats", 0)]
+    exact = [r for r in rows if r["candidates"] == 0]
+    assert all(r["grad_cosine"] == pytest.approx(1.0) and r["pruned_mass"] == 0 for r in exact)
+    assert all(-1 <= r["grad_cosine"] <= 1 + 1e-9 and 0 <= r["duplicate_rate"] <= 1 for r in rows)
+    assert any(r["pruned_mass"] > 0 for r in rows if r["candidates"] == 4)  # M 4 of 2 x V prunes something
+
+
+def test_experiments_import_libraries_not_other_scripts():
+    """A script in experiments/ (a file with a ``__main__`` block) imports libraries -- experiments/ledger.py,
+    soft_beam_analysis/checkpoint.py, benchmarks/harness.py and training_step.py --, never another script."""
+    sources = {}
+    for root, _, names in os.walk(EXPERIMENTS):
+        for name in (n for n in names if n.endswith(".py")):
+            with open(os.path.join(root, name), encoding="utf-8") as f:
+                sources[os.path.join(root, name)] = f.read()
+    scripts = {os.path.splitext(os.path.basename(path))[0] for path, text in sources.items()
+               if '__name__ == "__main__"' in text}
+    scripts |= {"bench_soft_topk", "bench_soft_beam", "bench_topk_attention"}
+    assert {"driver", "pruning", "unsorted_any_k"} <= scripts and not {"ledger", "checkpoint"} & scripts
+    for path, text in sources.items():
+        imported = set(re.findall(r"^\s*(?:from|import) (\w+)", text, flags=re.M))
+        assert not imported & scripts, (path, imported & scripts)
+
+
+# ------------------------------------------------------------------------------- the short study ----
+
+def test_short_study_reports_and_plots_recorded_runs(tmp_path):
+    study = load("multi30k_short_driver", SHORT)
+    work = tmp_path / "study"
+    work.mkdir()
+    paper = ["--cpu", *study.PAPER]
+    assert "--soft-beam-epsilon" in study.PAPER and "--soft-topk-epsilon" not in study.PAPER
+    rows = [("tf.seed1", "tf", [], {"valid": 40.0, "test": 41.0}),
+            ("tf.seed2", "tf", [], {"valid": 42.0, "test": 43.0}),
+            ("soft_beam.seed1", "soft_beam", paper, {"valid": 39.0, "test": 40.0}),
+            ("soft_beam_eps1.seed1", "soft_beam_eps1", paper + ["--soft-beam-epsilon", "1"], {"valid": 38.0}),
+            # a row recorded before the flags were renamed: its arguments keep their old names
+            ("soft_beam_eps0.01.seed1", "soft_beam_eps0.01", ["--cpu", "--soft-topk-epsilon", "0.01"],
+             {"valid": 30.0})]
+    for key, group, extra, bleu in rows:
+        study.record(str(work), {"key": key, "group": group, "train_s": 10.0, "bleu": bleu, "extra": extra})
+        (work / "checkpoints" / key).mkdir(parents=True)
+        (work / "checkpoints" / key / "train.log").write_text(
+            "2026-11-22 10:26:38 | INFO | train_inner | epoch 001:     50 / 139 loss=7.255, nll_loss=6.311, "
+            "ppl=79.38, num_updates=50, lr=0.001\n"
+            "2026-11-22 10:27:38 | INFO | train_inner | epoch 001:    100 / 139 loss=6.1, nll_loss=5.5, "
+            "num_updates=100, lr=0.001\n"
+            "2026-11-22 10:50:04 | INFO | train | epoch 001 | loss 4.9 | soft_loss 5.6 | pruned_mass 5 | gnorm 0.873 "
+            "| clip 30 | num_updates 50\n"
+            "2026-11-22 10:50:04 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 4.172 | nll_loss 2.724 "
+            "| tf_loss 4.172 | ppl 6.6 | num_updates 50\n")
+    results = study.load_results(str(work))
+    assert study.best_sweep_run(results, ["soft_beam_eps1"], seed=1) is None  # 38 < the paper setting's 39
+    study.record(str(work), {"key": "soft_beam_eps1.seed1", "group": "soft_beam_eps1", "train_s": 10.0,
+                             "bleu": {"valid": 39.5}, "extra": paper + ["--soft-beam-epsilon", "1"]})
+    results = study.load_results(str(work))
+    assert results["soft_beam_eps1.seed1"]["bleu"] == {"valid": 39.5}  # the later row of a key wins
+    assert study.best_sweep_run(results, ["soft_beam_eps1", "soft_beam_rho0.5"], seed=1) == "soft_beam_eps1"
+    assert study.best_sweep_run(results, ["soft_beam_eps1"], seed=2) is None  # not run at that seed
+    study.record(str(work), {"key": "soft_beam_eps1.seed1", "group": "soft_beam_eps1", "train_s": 10.0,
+                             "bleu": {"valid": 38.0}, "extra": paper + ["--soft-beam-epsilon", "1"]})
+    table_ = study.report(type("A", (), {"workdir": str(work)}))
+    assert "| tf | 2 | 41.00 ± 1.41 | 42.00 ± 1.41 | 2.724 | 10 |" in table_
+    assert "| soft_beam_eps1 | 1 | 38.00 | - | 2.724 | 10 |" in table_
+    assert "| soft_beam_eps1 | 38.00 | 2.724 | 0.873 / 30 % | 5.6 | 5 |" in table_  # seed-1 details from the log
+    assert study.last_value(paper + ["--soft-beam-epsilon", "1"], "--soft-beam-epsilon") == "1"
+    assert study.last_value(["--soft-topk-epsilon", "3", "--soft-beam-epsilon", "2"], study.EPSILON_FLAGS) == "2"
+    assert study.last_value(["--soft-beam-epsilon", "2", "--soft-topk-epsilon", "3"], study.EPSILON_FLAGS) == "3"
+    assert study.training_curve(str(work / "checkpoints" / "tf.seed1" / "train.log"), "nll_loss") == [
+        (50, 6.311), (100, 5.5)]
+    study.main(["plot", "--workdir", str(work), "--out", str(tmp_path / "fig")])
+    assert sorted(os.listdir(tmp_path / "fig")) == ["multi30k_bleu_vs_epsilon.png", "multi30k_training_curves.png"]
+
+
+def test_short_study_runs_the_recipe_with_the_criterions_current_flags():
+    """Every argument list the short study hands the recipe names the criterion's and the attention's flags and
+    values of this version (the old names still work, but warn)."""
+    from fairseq import options
+
+    import softtopk_fairseq.fairseq_plugin  # noqa: F401
+
+    study = load("multi30k_short_driver", SHORT)
+    sweep = study.sweep_runs(argparse.Namespace(sweep_epsilon=[0.01], sweep_rho=[0.5], sweep_beam=[3],
+                                                sweep_candidates=[200], sweep_max_iter=[1], sweep_bookkeeping=True))
+    for extra in [*study.FINETUNE_RUNS.values(), *sweep.values()]:
+        assert not {"--soft-topk-epsilon", "--soft-topk-scaling", "--soft-topk-method"} & set(extra), extra
+        parser = options.get_training_parser()
+        args = options.parse_args_and_arch(parser, ["data", "--user-dir", os.path.join(REPO, "user_dir"), "--arch",
+                                                    "rnnsearch", "--criterion", "soft_beam_search", *extra])
+        assert args.soft_topk_method is None and args.soft_topk_epsilon is None
+    for mode, extra in study.ATTENTION.items():  # (--update2lr, the recipe's schedule, is train.sh's to parse)
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            "data", "--user-dir", os.path.join(REPO, "user_dir"), *study.TRANSFORMER[:study.TRANSFORMER.index("--lr")],
+            *extra])
+        assert str(args.topk_attn_mode) == mode
+
+
+# ----------------------------------------------------------------------------- the converged study ----
+
+def fake_raw_data(path):
+    """A raw data folder whose target language can be read (train.en, train.fr), for the driver's pure logic."""
+    path.mkdir(parents=True, exist_ok=True)
+    for lang in ("en", "fr"):
+        (path / f"train.{lang}").write_text("a\n")
+    return str(path)
+
+
+def test_converged_study_picks_the_sweeps_best_on_val_once_the_sweep_is_complete(tmp_path, capsys):
+    converged = load("multi30k_converged_driver", CONVERGED)
+    from ledger import append_row, rows_by_key
+
+    ledger = tmp_path / "ledger.jsonl"
+    args = argparse.Namespace(ledger=str(ledger), workdir=str(tmp_path), prepared=None, sweep_seed=2, seeds=[1, 2, 3],
+                              data=fake_raw_data(tmp_path / "raw"), blind=None)
+    study = converged.Study(args)
+    val = {"soft_beam_paper": 40.0, "soft_beam_topk_bookkeeping": 41.0, "soft_beam_nats": 41.0}
+    assert study.run_name("tf") == "tf"
+    for i, (name, bleu) in enumerate(val.items()):
+        assert study.run_name(converged.BEST) is None  # the sweep is not complete yet
+        assert "not complete at seed 2" in capsys.readouterr().out
+        append_row(str(ledger), {"key": f"finetune.{name}.seed2", "stage": "finetune", "seed": 2,
+                                 "bleu": {"valid": bleu, "test": 50.0 - i}})
+    append_row(str(ledger), {"key": "finetune.soft_beam_nats.seed1", "stage": "finetune", "seed": 1,
+                             "bleu": {"valid": 99.0, "test": 0.0}})  # another seed: not the sweep's
+    # the best val BLEU at the sweep seed, the earlier in SWEEP on a tie; test BLEU plays no part
+    assert study.run_name(converged.BEST) == "soft_beam_topk_bookkeeping"
+    rows = rows_by_key(str(ledger))
+    assert converged.sweep_choice(rows, 1) is None
+    assert converged.sweep_choice({**rows, "finetune.soft_beam_paper.seed2": {"bleu": {"valid": 41.5}}}, 2) \
+        == "soft_beam_paper"
+
+
+def test_converged_study_fingerprints_the_prepared_data_not_where_it_was_prepared(tmp_path, capsys):
+    """The ledger's data fingerprint covers the dictionaries and binarised splits, names and contents, and not
+    fairseq-preprocess's log (its arguments, with the workdir's absolute paths): the same data prepared in two
+    folders has one fingerprint. Rows of the first version (data_sha256, log included) are named, not refused."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    from ledger import append_row
+
+    def prepared(where, log, train=b"\x01\x02"):
+        bin_dir = tmp_path / where / "data" / "bin"
+        bin_dir.mkdir(parents=True)
+        for name, content in (("dict.en.txt", b"a 3\n"), ("dict.fr.txt", b"b 2\n"), ("train.en-fr.en.bin", train),
+                              ("train.en-fr.en.idx", b"\x00"), ("preprocess.log", log)):
+            (bin_dir / name).write_bytes(content)
+        return str(bin_dir.parent)
+
+    here = converged.prepared_fingerprint(prepared("a", b"Namespace(destdir='/a/data/bin')\n"))
+    assert converged.prepared_fingerprint(prepared("b", b"Namespace(destdir='/b/data/bin')\n" * 2)) == here
+    assert converged.prepared_fingerprint(prepared("c", b"", train=b"\x01\x03")) != here  # a split's content
+    renamed = prepared("d", b"")
+    os.rename(os.path.join(renamed, "bin", "dict.fr.txt"), os.path.join(renamed, "bin", "dict.de.txt"))
+    assert converged.prepared_fingerprint(renamed) != here  # a file's name
+
+    ledger = tmp_path / "ledger.jsonl"
+    study = converged.Study(argparse.Namespace(ledger=str(ledger), workdir=str(tmp_path / "a"), prepared=None,
+                                               data=fake_raw_data(tmp_path / "raw"), blind=None))
+    study.data_fingerprint = here
+    append_row(str(ledger), {"key": "attention.softmax.seed1", "data_sha256": "0" * 16})  # the first version's
+    append_row(str(ledger), {"key": "attention.softmax.seed2", "data_fingerprint": here})
+    append_row(str(ledger), {"key": "attention.softmax.seed3"})  # before any fingerprint
+    study.check_ledger()
+    said = [line for line in capsys.readouterr().out.splitlines() if "not checked against" in line]
+    assert len(said) == 1 and "attention.softmax.seed1 (" in said[0]
+    assert "seed2" not in said[0] and "seed3" not in said[0]
+    append_row(str(ledger), {"key": "attention.softmax.seed4", "data_fingerprint": "1" * 16})
+    with pytest.raises(SystemExit, match="other prepared data.*attention.softmax.seed4"):
+        study.check_ledger()
+
+
+def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
+    """Validations, saved checkpoints, early stopping and the start's seconds from fairseq-train's own lines;
+    a run resumed once has one log per start, and the report's wall time adds them up."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    log = tmp_path / "train.1.log"
+    log.write_text(
+        "2026-11-23 23:22:50 | INFO | fairseq_cli.train | {'_name': None}\n"
+        "  a continuation line with no timestamp\n"
+        "2026-11-23 23:24:16 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 3.542 | bleu 52.33 | "
+        "wps 811.1 | num_updates 50\n"
+        "2026-11-23 23:24:17 | INFO | fairseq.checkpoint_utils | Saved checkpoint d/checkpoint_1_50.pt "
+        "(epoch 1 @ 50 updates, score 52.33) (writing took 0.19 seconds)\n"
+        "2026-11-23 23:30:01 | INFO | valid | epoch 002 | valid on 'valid' subset | loss 3.5 | bleu 52.1 | "
+        "num_updates 100\n"
+        "2026-11-24 00:01:00 | INFO | fairseq_cli.train | early stop since valid performance hasn't improved "
+        "for last 5 runs\n")
+    read = converged.TrainLog(str(log))
+    assert read.curve == [{"epoch": 1, "updates": 50, "bleu": 52.33}, {"epoch": 2, "updates": 100, "bleu": 52.1}]
+    assert read.saved == [50] and read.stopped_early
+    assert read.seconds == 38 * 60 + 10  # across midnight
+    empty = tmp_path / "train.2.log"
+    empty.write_text("")
+    assert converged.TrainLog(str(empty)).seconds == 0 and not converged.TrainLog(str(empty)).stopped_early
+    assert converged.wall_seconds({"train_s": 5.0, "train_s_starts": [100.0, 7.0]}) == 107.0
+    assert converged.wall_seconds({"train_s": 5.0}) == 5.0  # rows written before the field existed
+
+
+def test_converged_study_trains_with_the_criterions_current_flags():
+    """Every fine-tuning and attention arm names the flags and values of this version; the ledger's rows keep
+    the arguments they were trained with (the en-fr ledger's older rows: the old names, which still parse)."""
+    from fairseq import options
+
+    import softtopk_fairseq.fairseq_plugin  # noqa: F401
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    old = {"--soft-topk-epsilon", "--soft-topk-scaling", "--soft-topk-method", "--perturbed-sigma"}
+    for name, extra in converged.FINETUNE_RUNS.items():
+        assert not old & set(extra), name
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            "data", "--user-dir", os.path.join(REPO, "user_dir"), *converged.RNNSEARCH, "--criterion",
+            "soft_beam_search", *extra])
+        assert str(args.soft_beam_relaxation) == {"softmax_k_times": "softmax_k_times", "perturbed": "perturbed"}.get(
+            name, "soft_topk") and args.soft_topk_method is None
+    for mode, extra in converged.ATTENTION.items():
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            "data", "--user-dir", os.path.join(REPO, "user_dir"), *converged.TRANSFORMER, *extra])
+        assert str(args.topk_attn_mode) == mode.split("_patience")[0].removesuffix("_64")
+        assert str(args.topk_attn_inference) in ("same", "hard_topk")
+    ledger = os.path.join(EXPERIMENTS, "multi30k_converged", "en_fr.jsonl")
+    with open(ledger, encoding="utf-8") as f:
+        recorded = [json.loads(line) for line in f]
+    assert recorded and all(r["pair"] == "en-fr" for r in recorded if "pair" in r)
+    assert os.path.isdir(converged.hyps_dir(ledger)) and converged.hyps_dir(ledger).endswith("en_fr.hyps")
+
+
+def blind_sources(path, lines):
+    """A blind test folder: ``news.en``, English sources without references."""
+    from softtopk_fairseq.pipeline import toy_corpus
+
+    path.mkdir()
+    toy_corpus.write_split(str(path / "tmp"), lines, 7)
+    os.rename(path / "tmp.en", path / "news.en")
+    os.remove(path / "tmp.fr")
+    return path
+
+
+def toy_raw_data(path):
+    from softtopk_fairseq.pipeline import toy_corpus
+
+    path.mkdir()
+    for split, n, seed in (("train", 120, 1), ("val", 10, 2), ("test_2016_flickr", 8, 3)):
+        toy_corpus.write_split(str(path / split), n, seed)
+    return path
+
+
+def lines_of_gzip(path):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def report_reading_nothing_from(blind_dir, argv, monkeypatch):
+    """The converged driver's ``report`` run in this process, and every path it opened or listed; fails if one of
+    them is under ``blind_dir``."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    touched = []
+    real_open, real_listdir = builtins.open, os.listdir
+
+    def traced_open(file, *args, **kwargs):
+        touched.append(os.fspath(file) if isinstance(file, (str, os.PathLike)) else str(file))
+        return real_open(file, *args, **kwargs)
+
+    def traced_listdir(path="."):
+        touched.append(os.fspath(path))
+        return real_listdir(path)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "open", traced_open)
+        m.setattr(os, "listdir", traced_listdir)
+        converged.main(["report", *argv])
+    assert touched and not [p for p in touched if os.path.abspath(p).startswith(str(blind_dir))], touched
+    return touched
+
+
+def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(tmp_path, capsys, monkeypatch):
+    """The converged driver's ledger logic with one training run: a tiny pre-training is trained, scored and
+    recorded, its hypotheses kept beside the ledger and the blind sources (``--blind``) translated into
+    LEDGER.blind/KEY.NAME.TGT.gz, one line per source line; a second ``run`` skips it; other inputs, missing
+    inputs or a ledger of other data stop the driver before it trains or writes anything; a pre-training in the
+    ledger whose workdir is gone is not trained again unless asked; ``report`` reads the ledger and never the
+    blind translations."""
+    data, blind = toy_raw_data(tmp_path / "raw"), blind_sources(tmp_path / "blind", 3)
+    ledger = tmp_path / "ledger.jsonl"
+    common = ["--data", str(data), "--workdir", str(tmp_path / "work"), "--ledger", str(ledger), "--bpe-size", "90",
+              "--seeds", "1", "--max-epoch", "1", "--patience", "1", "--blind", str(blind)]
+
+    def driver(*args):
+        return script(CONVERGED, *args, timeout=900)
+
+    driver("run", *common, "--stages", "pretrain", "--extra-args", TINY_RNNSEARCH)
+    with open(ledger) as f:
+        rows = [json.loads(line) for line in f]
+    key = "pretrain.rnnsearch.seed1"
+    assert [r["key"] for r in rows] == [key] and rows[0]["pair"] == "en-fr" and len(rows[0]["data_fingerprint"]) == 16
+    assert set(rows[0]["bleu"]) == {"valid", "test"} and rows[0]["epochs"] == 1 and rows[0]["converged"] is False
+    for subset in ("valid", "test"):
+        assert lines_of_gzip(tmp_path / "ledger.hyps" / f"{key}.{subset}.fr.gz") == \
+            (tmp_path / "work" / "checkpoints" / key / f"{subset}.beam5.fr").read_text().splitlines()
+    blind_out = tmp_path / "ledger.blind"
+    assert os.listdir(blind_out) == [f"{key}.news.fr.gz"]
+    assert len(lines_of_gzip(blind_out / f"{key}.news.fr.gz")) == 3  # one hypothesis per source line
+
+    again = driver("run", *common, "--stages", "pretrain", "--extra-args", TINY_RNNSEARCH)
+    assert f"{key}: in the ledger, skipped" in again
+
+    def refused(data_dir, ledger_path, expected):
+        args = ["run", *common, "--stages", "pretrain", "--extra-args", TINY_RNNSEARCH]
+        args[args.index("--data") + 1], args[args.index("--ledger") + 1] = str(data_dir), str(ledger_path)
+        before, ledger_before = snapshot(tmp_path / "work"), ledger.read_text()
+        out = subprocess.run([sys.executable, CONVERGED, *args], capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and expected in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+        assert snapshot(tmp_path / "work") == before and ledger.read_text() == ledger_before
+
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    with open(other / "train.en", "a") as f:
+        f.write("one more line\n")
+    refused(other, ledger, "differs (train.en)")
+    (other / "val.fr").unlink()
+    refused(other, ledger, "lacks val.fr")
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text(json.dumps({**rows[0], "key": "attention.softmax.seed9", "data_fingerprint": "0" * 16}) + "\n")
+    refused(data, foreign, "other prepared data")
+
+    # Another workdir's ledger: the checkpoints are gone, the ledger and the kept hypotheses are not.
+    shutil.rmtree(tmp_path / "work" / "checkpoints")
+    skipped = driver("run", *common, "--stages", "finetune", "--runs", "tf", "--extra-args", TINY_RNNSEARCH)
+    assert "is in the ledger but" in skipped and "--retrain-missing" in skipped
+    with open(ledger) as f:
+        assert len(f.readlines()) == 1
+
+    capsys.readouterr()
+    report_reading_nothing_from(blind_out, ["--workdir", str(tmp_path / "work"), "--ledger", str(ledger),
+                                            "--patience", "1"], monkeypatch)
+    assert f"| {key} | 1 |" in capsys.readouterr().out  # its convergence row, from the ledger alone
+
+
+@pytest.mark.slow
+def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys, monkeypatch):
+    """The converged study's driver end to end on a toy corpus at tiny sizes: pre-training with validation
+    BLEU and early stopping, fine-tuning from its best checkpoint, the pruning comparison that picks M, every
+    attention arm, the ledger (a second `run` skips what is recorded), the hypotheses kept beside it, the blind
+    sets translated by every scored run (and by ``blind`` for one that lacks them), a pre-training whose workdir
+    is gone trained again only when asked (--retrain-missing), and the report with paired differences computed
+    from the kept hypotheses alone, reading no blind translation."""
+    data, blind = toy_raw_data(tmp_path / "raw"), blind_sources(tmp_path / "blind", 2)
+    common = ["--data", str(data), "--workdir", str(tmp_path / "work"), "--ledger", str(tmp_path / "ledger.jsonl"),
+              "--bpe-size", "90", "--seeds", "1", "--max-epoch", "2", "--patience", "1", "--blind", str(blind)]
+    rnn = TINY_RNNSEARCH
+
+    def driver(*args):
+        return script(CONVERGED, *args, timeout=900)
+
+    driver("run", *common, "--stages", "pretrain", "--extra-args", rnn)
+    # (no --candidates: the pruning comparison, run first, picks M for the soft fine-tuning; batches of 16
+    # sentences: 8 updates an epoch, so that most validations fall inside the epoch)
+    driver("run", *common, "--stages", "finetune", "pruning", "--runs", "tf", "soft_beam_paper",
+           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--pruning-batches", "1",
+           "--extra-args", rnn + " --batch-size 16")
+    tiny_transformer = ("--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 8 --decoder-embed-dim 8 "
+                        "--encoder-ffn-embed-dim 16 --decoder-ffn-embed-dim 16 --encoder-attention-heads 2 "
+                        "--decoder-attention-heads 2 --topk-attn-k 2")
+    driver("run", *common, "--stages", "attention", "--attention-modes", "softmax", "soft_topk",
+           "hard_topk", "perturbed", "perturbed_64", "--extra-args", tiny_transformer)
+    with open(tmp_path / "ledger.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["key"] for r in rows] == ["pretrain.rnnsearch.seed1", "pruning.rnnsearch.seed1", "finetune.tf.seed1",
+                                        "finetune.soft_beam_paper.seed1", "attention.softmax.seed1",
+                                        "attention.soft_topk.seed1", "attention.hard_topk.seed1",
+                                        "attention.perturbed.seed1", "attention.perturbed_64.seed1"]
+    for row, samples in ((rows[-2], None), (rows[-1], "64")):
+        perturbed = row["extra"]  # trained perturbed, validated and scored with the hard top-k it smooths
+        assert perturbed[perturbed.index("--topk-attn-mode") + 1] == "perturbed"
+        assert perturbed.count("--topk-attn-inference") == 1
+        assert perturbed[perturbed.index("--topk-attn-inference") + 1] == "hard_topk"
+        given = perturbed[perturbed.index("--topk-attn-samples") + 1] if "--topk-attn-samples" in perturbed else None
+        assert given == samples  # the default arm: the layers' default (16)
+    pruning = rows[1]["rows"]
+    assert [(p["setting"], p["candidates"]) for p in pruning][:3] == [("paper", 50), ("paper", 200), ("paper", 0)]
+    # M of the paper-setting fine-tuning: the smallest M whose gradient is within cosine 0.99 of exact, else exact
+    close = [p["candidates"] for p in pruning if p["setting"] == "paper" and p["candidates"] and p["grad_cosine"] >= 0.99]
+    extra = rows[3]["extra"]
+    assert extra[extra.index("--soft-beam-candidates") + 1] == str(min(close, default=0))
+    rows = [r for r in rows if r["stage"] != "pruning"]
+    for tuned in rows[1:3]:  # the checkpoint scored is the best of all validations, inside the epoch as well
+        assert [p["updates"] for p in tuned["val_curve"]] == [2, 4, 6, 8] and tuned["unsaved_validations"] == []
+        best = max(p["bleu"] for p in tuned["val_curve"])
+        assert tuned["scored_updates"] == tuned["best_updates"] == \
+            max(p["updates"] for p in tuned["val_curve"] if p["bleu"] == best)  # fairseq: the last of ties
+    pre = rows[0]
+    assert pre["val_curve"] and all(0 <= p["bleu"] <= 100 for p in pre["val_curve"])
+    assert pre["epochs"] <= 2 and isinstance(pre["converged"], bool)
+    assert pre["converged"] or pre["epochs"] == 2  # stopped by --patience, or by the --max-epoch cap
+    assert all(set(r["bleu"]) == {"valid", "test"} for r in rows)
+    assert all(len(r["train_s_starts"]) == 1 and 0 <= r["train_s_starts"][0] <= r["train_s"] + 1 for r in rows)
+    kept, blind_out = tmp_path / "ledger.hyps", tmp_path / "ledger.blind"
+    for r in rows:
+        for subset in ("valid", "test"):
+            assert lines_of_gzip(kept / f"{r['key']}.{subset}.fr.gz") == \
+                (tmp_path / "work" / "checkpoints" / r["key"] / f"{subset}.beam5.fr").read_text().splitlines()
+        assert len(lines_of_gzip(blind_out / f"{r['key']}.news.fr.gz")) == 2
+    # ``blind``: a scored run whose translations are missing translates them again from its checkpoint
+    (blind_out / "attention.softmax.seed1.news.fr.gz").unlink()
+    said = driver("blind", *common)
+    assert "attention.softmax.seed1: translating the blind sets" in said
+    assert len(lines_of_gzip(blind_out / "attention.softmax.seed1.news.fr.gz")) == 2
+    again = driver("run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "--extra-args", rnn)
+    assert "pretrain.rnnsearch.seed1: in the ledger, skipped" in again and "finetune.tf.seed1: in the ledger" in again
+    # Another workdir's ledger: the checkpoints are gone, the ledger and the kept hypotheses are not.
+    shutil.rmtree(tmp_path / "work" / "checkpoints")
+    skipped = driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--extra-args", rnn)
+    assert "is in the ledger but" in skipped and "--retrain-missing" in skipped
+    driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--retrain-missing",
+           "--finetune-epochs", "1", "--finetune-validate-updates", "2", "--candidates", "10", "--extra-args", rnn)
+    with open(tmp_path / "ledger.jsonl") as f:
+        keys = [json.loads(line)["key"] for line in f]
+    assert keys[-2:] == ["pretrain.rnnsearch.seed1.rerun", "finetune.softmax_k_times.seed1"]
+    capsys.readouterr()
+    report_reading_nothing_from(blind_out, ["--workdir", str(tmp_path / "work"), "--ledger",
+                                            str(tmp_path / "ledger.jsonl"), "--patience", "1"], monkeypatch)
+    table_ = capsys.readouterr().out
+    assert "| rerun of |" in table_ and "| pretrain.rnnsearch.seed1 |" in table_
+    assert "| finetune.soft_beam_paper - finetune.tf | valid |" in table_
+    assert "| attention.soft_topk - attention.softmax | test |" in table_
+    assert "| attention.soft_topk - attention.hard_topk | valid |" in table_
+    assert "| attention.perturbed - attention.hard_topk | test |" in table_
+    assert "| attention.perturbed_64 - attention.perturbed | valid |" in table_
+    assert "Pruning on pruning.rnnsearch.seed1" in table_ and "| paper | exact |" in table_
+    assert "--candidates auto: the smallest M" in table_ and f"paper {min(close, default=0) or 'exact'}" in table_
+    assert re.search(r"\| finetune.soft_beam_paper - finetune.tf \| valid \| [-+]\d+\.\d\d \| [-+]?\d+\.\d\d \| "
+                     r"\d\.\d{3} \|", table_), table_  # a difference and a paired-bootstrap p-value
