@@ -1,7 +1,7 @@
 """Set-up without a package index: scripts/offline_wheels.sh refuses what it cannot do, and
 ``SOFTTOPK_WHEELS=DIR bash scripts/gpu_check.sh`` installs a directory of wheels for the interpreter's own torch,
 stopping, by name, on a requirement they leave unmet. (The download itself reaches the package index and is not
-run here; its output for CPython 3.12 is recorded in docs/results.md.)"""
+run here; its output for CPython 3.12 is recorded in docs/results/setup_and_tests.md.)"""
 import os
 import subprocess
 import sys

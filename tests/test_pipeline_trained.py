@@ -68,17 +68,17 @@ def test_the_hub_interface_tokenises_and_detokenises_as_the_pipeline(workdir):
             assert [hub.decode(binarized[i]) for i in range(len(lines))] == expected
 
 
-def test_the_readme_hub_example_runs_on_a_finished_workdir(subword_workdir):
-    """README's "From Python" example as written, with this test's workdir for work/demo and its teacher-forcing
-    checkpoint (it has no fine-tuned ones)."""
+def test_the_docs_hub_example_runs_on_a_finished_workdir(subword_workdir):
+    """docs/pipeline.md's "From Python" example as written, with this test's workdir for work/demo and its
+    teacher-forcing checkpoint (it has no fine-tuned ones)."""
     from readme_examples import python_blocks
 
-    blocks = [b for b in python_blocks() if "from_workdir(" in b]
+    blocks = [b for b in python_blocks("docs/pipeline.md") if "from_workdir(" in b]
     assert len(blocks) == 1 and '"work/demo", checkpoint="ft_soft_beam"' in blocks[0]
     code = blocks[0].replace('"work/demo", checkpoint="ft_soft_beam"', f'{subword_workdir!r}, checkpoint="tf"')
     *setup, last = code.strip().splitlines()  # the translation, kept
     names = {}
-    exec(compile("\n".join([*setup, f"result = {last}"]), "README.md", "exec"), names)
+    exec(compile("\n".join([*setup, f"result = {last}"]), "docs/pipeline.md", "exec"), names)
     assert isinstance(names["result"], str) and names["result"].strip()
 
 

@@ -592,7 +592,7 @@ def block_n(n: int, mp: int) -> int:
 
 def warps_for(block: int, mp: int) -> int:
     """Warps per program: 8 once the (BLOCK_N, MP, MP) tile reaches 16K values (faster at the beam shape on an
-    H100: docs/results/gpu.md, ``scripts/gpu/triton_tuning.py``), else 4."""
+    H100: docs/results/operator_speed.md, ``scripts/gpu/triton_tuning.py``), else 4."""
     return 8 if block * mp * mp >= 16384 else 4
 
 

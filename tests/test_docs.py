@@ -1,0 +1,130 @@
+"""The documentation as a product: every relative link and anchor resolves, every code block marked
+``<!-- runnable -->`` runs (the blocks of one page in order, in one namespace), the documented flags of the
+criterion and of the top-k attention architectures are exactly the registered ones with their defaults, the README
+stays short, and no page speaks of the work's history."""
+import os
+import re
+import unicodedata
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = sorted([os.path.join(REPO, name) for name in ("README.md", "CHANGELOG.md")]
+               + [os.path.join(root, name) for top in ("docs", "examples") for root, _, names in
+                  os.walk(os.path.join(REPO, top)) for name in names if name.endswith(".md")])
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+RUNNABLE = re.compile(r"^<!-- runnable -->\n```python\n(.*?)^```", re.S | re.M)
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*|_(?=\w*_)", "", heading.strip().lower())
+    text = "".join(ch for ch in unicodedata.normalize("NFKD", text) if ch.isalnum() or ch in " -_")
+    return text.replace(" ", "-")
+
+
+def _anchors(path):
+    text = re.sub(r"^```.*?^```", "", _read(path), flags=re.S | re.M)  # headings outside code blocks
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+def _rel(path):
+    return os.path.relpath(path, REPO)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_relative_link_and_anchor_resolves(page):
+    text = re.sub(r"^```.*?^```", "", _read(page), flags=re.S | re.M)
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target):
+            continue  # an absolute URL
+        path, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        assert os.path.exists(resolved), f"{_rel(page)}: link to {target}: no such file"
+        if anchor:
+            assert resolved.endswith(".md") and anchor in _anchors(resolved), \
+                f"{_rel(page)}: link to {target}: no heading with that anchor"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if RUNNABLE.search(_read(p))], ids=_rel)
+def test_runnable_blocks_run(page):
+    namespace = {"__name__": "__docs__"}
+    for block in RUNNABLE.findall(_read(page)):
+        exec(compile(block, _rel(page), "exec"), namespace)
+
+
+def _documented_flags(page):
+    """``{flag: default cell}`` of a page's flags table (rows starting with a backticked --flag)."""
+    return {m.group(1): m.group(2).strip() for m in
+            re.finditer(r"^\| `(--[a-z0-9-]+)` \| ([^|]*) \|", _read(os.path.join(REPO, "docs", page)), flags=re.M)}
+
+
+def _shown(default) -> str:
+    if default is False:
+        return "off"
+    return str(default)
+
+
+def _check_table(page, fields):
+    documented = _documented_flags(page)
+    registered = {"--" + f.name.replace("_", "-"): f.default for f in fields}
+    assert set(documented) == set(registered), (sorted(set(documented) - set(registered)),
+                                                sorted(set(registered) - set(documented)))
+    for flag, default in registered.items():
+        cell = documented[flag].replace("`", "")
+        if default is None:
+            assert "'s" in cell, (flag, cell)  # "soft_topk's": someone else's default
+        else:
+            assert cell == _shown(default), (flag, cell, default)
+
+
+def test_the_criterions_documented_flags_are_its_registered_ones():
+    from dataclasses import fields
+
+    from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterionConfig
+
+    from softtopk_fairseq.criterions.soft_beam_search import FLAG_ALIASES, SoftBeamSearchConfig
+
+    inherited = {f.name for f in fields(LabelSmoothedCrossEntropyCriterionConfig)}
+    own = [f for f in fields(SoftBeamSearchConfig) if f.name not in inherited and f.name not in FLAG_ALIASES]
+    _check_table("soft_beam_search.md", own)
+    page = _read(os.path.join(REPO, "docs", "soft_beam_search.md"))
+    for alias in FLAG_ALIASES:  # the old names are documented as such, outside the table
+        assert "--" + alias.replace("_", "-") in page, alias
+
+
+def test_the_attention_archs_documented_flags_are_their_registered_ones():
+    from dataclasses import fields
+
+    from softtopk_fairseq.models.topk_attention import TransformerTopkAttentionConfig
+
+    _check_table("topk_attention.md", [f for f in fields(TransformerTopkAttentionConfig) if not f.name.startswith("_")])
+
+
+def test_the_readme_is_at_most_8_kb():
+    assert os.path.getsize(os.path.join(REPO, "README.md")) <= 8 * 1024
+
+
+HISTORY = re.compile(r"\bsessions?\b|\bissue #?\d+|\b\d+(st|nd|rd|th) session\b", re.I)
+
+
+def test_no_page_speaks_of_the_works_history():
+    """The product speaks of the product: no work sessions or issue numbers in docs, code, scripts or tests (the
+    CHANGELOG names versions, not sessions; pytest's scope="session" is not history)."""
+    found = []
+    for top in ("README.md", "docs", "softtopk_fairseq", "benchmarks", "experiments", "scripts", "examples", "tests",
+                "user_dir"):
+        base = os.path.join(REPO, top)
+        files = [base] if os.path.isfile(base) else [os.path.join(r, n) for r, _, ns in os.walk(base) for n in ns]
+        for path in files:
+            if not path.endswith((".md", ".py", ".sh", ".c")) or path == os.path.abspath(__file__):
+                continue
+            for number, line in enumerate(_read(path).splitlines(), 1):
+                if HISTORY.search(line.replace('scope="session"', "")):
+                    found.append(f"{_rel(path)}:{number}: {line.strip()[:100]}")
+    assert not found, "\n".join(found[:20])
