@@ -475,9 +475,11 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
         assert len(f.readlines()) == 1
 
     capsys.readouterr()
-    report_reading_nothing_from(blind_out, ["--workdir", str(tmp_path / "work"), "--ledger", str(ledger),
-                                            "--patience", "1"], monkeypatch)
-    assert f"| {key} | 1 |" in capsys.readouterr().out  # its convergence row, from the ledger alone
+    report_reading_nothing_from(blind_out, ["--pair", str(ledger), str(data)], monkeypatch)
+    page = capsys.readouterr().out
+    # its convergence row, from the ledger alone: seed 1, best epoch / stopped at
+    assert re.search(r"\| teacher_forcing \(patience 5\) \| en-fr \| s1 1 / 1 \| 0/1 \|", page), page
+    assert "- **Top-k attention, en-fr**: not measured yet." in page  # no claim without runs
 
 
 @pytest.mark.slow
@@ -561,16 +563,17 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys,
         keys = [json.loads(line)["key"] for line in f]
     assert keys[-2:] == ["pretrain.rnnsearch.seed1.rerun", "finetune.softmax_k_times.seed1"]
     capsys.readouterr()
-    report_reading_nothing_from(blind_out, ["--workdir", str(tmp_path / "work"), "--ledger",
-                                            str(tmp_path / "ledger.jsonl"), "--patience", "1"], monkeypatch)
+    report_reading_nothing_from(blind_out, ["--pair", str(tmp_path / "ledger.jsonl"), str(data)], monkeypatch)
     table_ = capsys.readouterr().out
-    assert "| rerun of |" in table_ and "| pretrain.rnnsearch.seed1 |" in table_
-    assert "| finetune.soft_beam_paper - finetune.tf | valid |" in table_
-    assert "| attention.soft_topk - attention.softmax | test |" in table_
-    assert "| attention.soft_topk - attention.hard_topk | valid |" in table_
-    assert "| attention.perturbed - attention.hard_topk | test |" in table_
-    assert "| attention.perturbed_64 - attention.perturbed | valid |" in table_
+    assert "| rerun of |" in table_ and "| pretrain.rnnsearch.seed1 | en-fr |" in table_
+    for comparison in ("soft beam search (paper's setting) - continued teacher forcing", "SOFT top-k - softmax",
+                       "SOFT top-k - hard top-k", "perturbed top-k (16 samples) - hard top-k",
+                       "perturbed top-k (64 samples) - perturbed top-k (16 samples)"):
+        for subset in ("val", "test"):
+            # one seed: its difference, no pooled test
+            assert re.search(rf"\| {re.escape(comparison)} \| en-fr \| {subset} \| s1 [-+]\d+\.\d\d \| - \| - \|",
+                             table_), (comparison, subset)
+            # and the seed's own paired tests: BLEU and chrF, bootstrap / randomisation
+            assert re.search(rf"\| {re.escape(comparison)} \| en-fr \| {subset} \| 1 \| [-+]\d+\.\d\d \| "
+                             r"(\d\.\d{3}|<0\.001) / (\d\.\d{3}|<0\.001) \|", table_), (comparison, subset)
     assert "Pruning on pruning.rnnsearch.seed1" in table_ and "| paper | exact |" in table_
-    assert "--candidates auto: the smallest M" in table_ and f"paper {min(close, default=0) or 'exact'}" in table_
-    assert re.search(r"\| finetune.soft_beam_paper - finetune.tf \| valid \| [-+]\d+\.\d\d \| [-+]?\d+\.\d\d \| "
-                     r"\d\.\d{3} \|", table_), table_  # a difference and a paired-bootstrap p-value

@@ -3,8 +3,10 @@
     python experiments/multi30k_converged/driver.py run --data ../shared/data/multi30k_en_fr \\
         --workdir work/converged --ledger experiments/multi30k_converged/en_fr.jsonl \\
         [--stages pretrain finetune attention] [--seeds 1 2 3] [--blind DIR]
-    python experiments/multi30k_converged/driver.py report --workdir work/converged \\
-        --ledger experiments/multi30k_converged/en_fr.jsonl
+    python experiments/multi30k_converged/driver.py report \\
+        --pair experiments/multi30k_converged/en_fr.jsonl ../shared/data/multi30k_en_fr \\
+        --pair experiments/multi30k_converged/en_de.jsonl ../shared/data/multi30k_en_de \\
+        --out docs/results/multi30k_converged.md --plot docs/figures/multi30k_converged_bleu.png
 
 Each language pair has its ledger here, ``experiments/multi30k_converged/en_TGT.jsonl`` (and its kept hypotheses
 beside it, ``en_TGT.hyps/``), and its own workdir.
@@ -53,19 +55,20 @@ already in the ledger is skipped, and an interrupted one continues from its own 
   convergence rule.
 
 Every scored run: ``evaluate.sh`` (beam 5, detokenised sacrebleu) on val and test, its hypotheses kept beside
-the ledger (``LEDGER.hyps/KEY.SUBSET.TGT.gz``, written before the ledger row) for the paired bootstrap of
-``report``, so that the report needs no workdir. Each scored run also translates the blind test sets of
-``--blind DIR`` (English sources whose references are held back) with the same decoding, into
-``LEDGER.blind/KEY.NAME.TGT.gz``, also before its ledger row; they are scored outside the study, and nothing here
-reads them back. ``blind`` translates them for ledger runs whose checkpoints are in the workdir and lack them. Ledger record: key, stage, arch, method,
-seed, updates, epochs, converged, the val BLEU curve, val/test BLEU, wall seconds (``train_s``: the start that
-finished; ``train_s_starts``: each start's, from its log), and the exact extra arguments.
+the ledger (``LEDGER.hyps/KEY.SUBSET.TGT.gz``, written before the ledger row), so that ``report`` (``report.py``:
+per-seed and pooled paired tests, BLEU and chrF, both pairs side by side) needs no workdir. Each scored run also
+translates the blind test sets of ``--blind DIR`` (English sources whose references are held back) with the same
+decoding, into ``LEDGER.blind/KEY.NAME.TGT.gz``, also before its ledger row; they are scored outside the study, and
+nothing here reads them back. ``blind`` translates them for ledger runs whose checkpoints are in the workdir and
+lack them. Ledger record: key, stage, arch, method, seed, updates, epochs, converged, the val BLEU curve, val/test
+BLEU, wall seconds (``train_s``: the start that finished; ``train_s_starts``: each start's, from its log), the
+exact extra arguments, the pair and the prepared data's fingerprint.
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
 has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
 place and records that run too, as ``KEY.rerun``, which ``report`` sets beside the original (a rerun need not
 reproduce it: seed 1's matched the original's recorded epochs before its restart to the digit and none after
-it, as fairseq's restart built other batches -- see ``pretrain`` and docs/results.md); without the flag those
+it, as fairseq's restart built other batches -- see ``pretrain``); without the flag those
 fine-tunings are skipped with a message saying so.
 """
 import argparse
@@ -87,7 +90,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(HERE))  # experiments/: the ledger
-from ledger import append_row, mean_std, rows_by_key  # noqa: E402
+from ledger import append_row, rows_by_key  # noqa: E402
 from softtopk_fairseq.pipeline.run import quiet_warnings_env, run_logged  # noqa: E402
 
 RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
@@ -103,7 +106,7 @@ COMMON = ["--cpu", "--max-tokens", "4096", "--batch-size", "256", "--num-workers
           "--clip-norm", "1.0", "--no-epoch-checkpoints", "--save-interval-updates", "0",
           "--log-format", "simple", "--log-interval", "50", "--label-smoothing", "0.1"]
 # glibc hands blocks over 32 MiB back to the kernel on free (mmap), so the exact soft beam search's ~100 MB step
-# tensors page-fault afresh at every step: half the update's time is the kernel's (docs/results.md, "glibc").
+# tensors page-fault afresh at every step: half the update's time is the kernel's (docs/results/training_cost.md).
 # Kept in the heap instead, an exact update is 1.6x faster; the arithmetic is the same. A user's own setting wins.
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 RNNSEARCH = ["--arch", "rnnsearch"]  # 256-unit bi-GRU encoder, GRU decoder, additive attention, dropout 0.3
@@ -648,118 +651,23 @@ class Study:
 
 # ------------------------------------------------------------------------------------------- report ----
 
-def paired_bootstrap(ref: str, baseline: str, system: str) -> Optional[float]:
-    """sacrebleu's paired bootstrap resampling (``--paired-bs``, 1000 resamples): the p-value of ``system``
-    against ``baseline`` (hypothesis files, gzipped or not) on reference file ``ref``."""
-    if not all(os.path.exists(p) for p in (ref, baseline, system)):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        plain = []
-        for i, path in enumerate((baseline, system)):
-            if path.endswith(".gz"):
-                with gzip.open(path, "rb") as f, open(os.path.join(tmp, f"{i}.fr"), "wb") as g:
-                    g.write(f.read())
-                path = os.path.join(tmp, f"{i}.fr")
-            plain.append(path)
-        out = subprocess.run([sys.executable, "-m", "sacrebleu", ref, "-i", *plain, "-m", "bleu",
-                              "--paired-bs", "-f", "text"], capture_output=True, text=True)
-    m = re.findall(r"p = ([\d.]+)", out.stdout)
-    return float(m[-1]) if m else None
-
-
-def hypotheses(args, ledger: str, key: str, subset: str) -> str:
-    """A scored run's hypotheses: those kept beside the ledger, else the workdir's."""
-    tgt = prepared_target(args.prepared or os.path.join(args.workdir, "data"))
-    kept = os.path.join(hyps_dir(ledger), f"{key}.{subset}.{tgt}.gz")
-    return kept if os.path.exists(kept) else os.path.join(args.workdir, "checkpoints", key, f"{subset}.beam{BEAM}.{tgt}")
-
-
-def wall_seconds(row: dict) -> float:
-    """A run's training seconds over all its starts when the row has them (rows before ``train_s_starts``: the
-    last start only)."""
-    return sum(row["train_s_starts"]) if row.get("train_s_starts") else row["train_s"]
-
-
 def report(args) -> str:
-    ledger = args.ledger or os.path.join(args.workdir, "ledger.jsonl")
-    rows = rows_by_key(ledger)
-    data = args.prepared or os.path.join(args.workdir, "data")
-    lines = ["| run | seeds | converged | updates (best / total) | BLEU val | BLEU test | train s |",
-             "|---|---|---|---|---|---|---|"]
-    groups: Dict[str, List[dict]] = {}
-    pruning = [r for r in rows.values() if r["stage"] == "pruning"]
-    reruns = [r for r in rows.values() if r["stage"] == "rerun"]
-    rows = {key: r for key, r in rows.items() if r["stage"] not in ("pruning", "rerun")}
-    for r in rows.values():
-        groups.setdefault(f"{r['stage']}.{r['method']}", []).append(r)
-    for group, rs in groups.items():
-        conv = sum(bool(r["converged"]) for r in rs) if rs[0]["stage"] != "finetune" else "-"
-        lines.append(f"| {group} | {len(rs)} | {conv} | "
-                     f"{statistics.mean(r['best_updates'] or 0 for r in rs):.0f} / "
-                     f"{statistics.mean(r['updates'] or 0 for r in rs):.0f} | "
-                     f"{mean_std([r['bleu']['valid'] for r in rs])} | {mean_std([r['bleu']['test'] for r in rs])} | "
-                     f"{statistics.mean(wall_seconds(r) for r in rs):.0f} |")
-    # Paired comparisons against the baseline of the same seed, with sacrebleu's paired bootstrap.
-    lines += ["", "| comparison | subset | per-seed difference | mean ± std | paired-bs p per seed |",
-              "|---|---|---|---|---|"]
-    pairs = [(f"finetune.{name}", "finetune.tf") for name in FINETUNE_RUNS if name != "tf"]
-    pairs += [(f"attention.{mode}", "attention.softmax") for mode in ATTENTION if mode != "softmax"]
-    # Does a relaxation add anything over the hard top-k it relaxes (the same k, no gradient through the mask)?
-    pairs += [(f"attention.{mode}", "attention.hard_topk") for mode in ATTENTION
-              if mode not in ("softmax", "hard_topk")]
-    # Does the perturbed arm's Monte-Carlo noise matter (4x the samples, same seed)?
-    pairs += [("attention.perturbed_64", "attention.perturbed")]
-    for system, baseline in pairs:
-        for subset in ("valid", "test"):
-            diffs, ps = [], []
-            for r in groups.get(system, []):
-                b = rows.get(r["key"].replace(system, baseline))
-                if b is None:
-                    continue
-                diffs.append(r["bleu"][subset] - b["bleu"][subset])
-                p = paired_bootstrap(os.path.join(data, "ref", f"{subset}.{prepared_target(data)}"),
-                                     hypotheses(args, ledger, b["key"], subset),
-                                     hypotheses(args, ledger, r["key"], subset))
-                ps.append("-" if p is None else f"{p:.3f}")
-            if diffs:
-                lines.append(f"| {system} - {baseline} | {subset} | {' / '.join(f'{d:+.2f}' for d in diffs)} | "
-                             f"{mean_std(diffs)} | {' / '.join(ps)} |")
-    # Convergence: the plateau of every converged run (its last patience + 1 validations).
-    lines += ["", "| run | epochs | best val BLEU at update | last validations (val BLEU) | band |", "|---|---|---|---|---|"]
-    for r in rows.values():
-        if r["stage"] == "finetune" or not r["val_curve"]:
-            continue
-        tail = [p["bleu"] for p in r["val_curve"][-(args.patience + 1):]]
-        lines.append(f"| {r['key']} | {r['epochs']} | {r['best_updates']} | {' '.join(f'{b:.2f}' for b in tail)} | "
-                     f"{max(tail) - min(tail):.2f} |")
-    if reruns:  # pre-trainings trained again from scratch (--retrain-missing): did they reproduce?
-        lines += ["", "| rerun of | epochs (original / rerun) | best update | BLEU val | BLEU test |",
-                  "|---|---|---|---|---|"]
-        for r in reruns:
-            o = rows.get(r["key"].removesuffix(".rerun"))
-            if o is not None:
-                lines.append(f"| {o['key']} | {o['epochs']} / {r['epochs']} | {o['best_updates']} / {r['best_updates']} "
-                             f"| {o['bleu']['valid']:.2f} / {r['bleu']['valid']:.2f} "
-                             f"| {o['bleu']['test']:.2f} / {r['bleu']['test']:.2f} |")
-    for seed in sorted({r["seed"] for r in rows.values() if r["stage"] == "finetune"}):
-        chosen = sweep_choice(rows, seed)
-        if chosen is not None:
-            lines += ["", f"Sweep at seed {seed} (val BLEU): " + ", ".join(
-                f"{name} {rows[f'finetune.{name}.seed{seed}']['bleu']['valid']:.2f}" for name in SWEEP)
-                + f" -> {BEST} = {chosen}"]
-    for r in pruning:
-        lines += ["", f"Pruning on {r['key']} (L_SOFT alone, same batches, eval mode):", "",
-                  "| setting | M | L_SOFT (nats/token) | gradient cosine to exact | gradient norm / exact | "
-                  "pruned-mass bound / step | duplicate beams |", "|---|---|---|---|---|---|---|"]
-        picks = {s: chosen_candidates(r["rows"], s) for s in dict.fromkeys(p["setting"] for p in r["rows"])}
-        lines += [f"| {p['setting']} | {p['candidates'] or 'exact'} | {p['soft_loss']:.4f} | {p['grad_cosine']:.6f} | "
-                  f"{p['grad_norm_ratio']:.4f} | {p['pruned_mass']:.3g} | {p['duplicate_rate']:.2f} |" for p in r["rows"]]
-        lines += ["", f"M for the fine-tunings (--candidates auto: the smallest M whose gradient cosine to the exact "
-                      f"gradient is >= {GRAD_COSINE_MIN}, else exact): "
-                      + ", ".join(f"{s} {m or 'exact'}" for s, m in picks.items())]
-    table = "\n".join(lines)
-    print(table)
-    return table
+    """The results page of the ``--pair LEDGER DATA`` studies (``report.py``), to ``--out`` or stdout."""
+    sys.path.insert(0, HERE)
+    import report as page  # (its dependencies, sacrebleu and matplotlib, only for this command)
+
+    if not args.pair:
+        raise SystemExit("multi30k_converged report: give --pair LEDGER DATA (once per language pair)")
+    pairs = [page.load_pair(ledger, data, target_language(data), args.valid_name, args.test_name)
+             for ledger, data in args.pair]
+    text = page.render(pairs, plot_path=args.plot, page_path=args.out)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"multi30k_converged report: {args.out}" + (f" and {args.plot}" if args.plot else ""), flush=True)
+    else:
+        print(text)
+    return text
 
 
 def main(argv=None) -> None:
@@ -800,6 +708,10 @@ def main(argv=None) -> None:
                    help="train again a pre-training that the ledger has but the workdir lacks (fine-tuning and pruning "
                         "start from its checkpoint); recorded as KEY.rerun")
     p.add_argument("--verbose", action="store_true", help="stream fairseq's logs to the terminal")
+    p.add_argument("--pair", nargs=2, action="append", metavar=("LEDGER", "DATA"),
+                   help="report: a ledger and the raw data its runs were trained on (the references); once per pair")
+    p.add_argument("--out", help="report: the page to write (default: stdout)")
+    p.add_argument("--plot", help="report: the per-seed BLEU plot to write (PNG)")
     args = p.parse_args(argv)
     if args.command == "run":
         Study(args).run()
