@@ -129,7 +129,7 @@ def _write_pairs(prefix, n, seed, langs=("en", "fr")):
 
 
 def test_a_finished_workdir_survives_bad_commands_and_an_interrupted_run_resumes(tmp_path, monkeypatch, capsys):
-    """Issue 17: a typo'd path or a different run pointed at a finished workdir changes nothing in it (byte for
+    """A typo'd path or a different run pointed at a finished workdir changes nothing in it (byte for
     byte); a run interrupted during the fine-tuning resumes with the same command -- completed stages are
     skipped, an interrupted training continues from its own checkpoint_last.pt."""
     cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10, topk_attn_k=2)

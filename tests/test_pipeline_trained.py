@@ -1,4 +1,4 @@
-"""Using a finished pipeline workdir (issue 17): `translate` and `score`, and the hub interface behind them,
+"""Using a finished pipeline workdir: `translate` and `score`, and the hub interface behind them,
 apply the workdir's own tokeniser, BPE, dictionaries and detokeniser."""
 import json
 import os

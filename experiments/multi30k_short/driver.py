@@ -70,7 +70,7 @@ def sweep_runs(args) -> Dict[str, List[str]]:
     for it in args.sweep_max_iter:
         runs[f"soft_beam_iter{it}"] = PAPER + ["--soft-topk-max-iter", str(it)]
     if args.sweep_bookkeeping:
-        # k distinct beams: with the paper's scaling, argmax bookkeeping makes every beam the same (docs/results.md).
+        # k distinct beams: with the paper's scaling, argmax bookkeeping makes every beam the same (docs/results/temperature.md).
         runs["soft_beam_topk_bookkeeping"] = PAPER + ["--soft-beam-bookkeeping", "topk"]
     return runs
 
