@@ -1,7 +1,21 @@
-"""Speed, memory and accuracy of soft_topk against the paper's code and its peers, measured side by side in one run.
+"""Speed, memory and accuracy of soft_topk against the hard top-k, the paper's code and its peers, side by side in
+one run.
 
     .venv/bin/python benchmarks/bench_soft_topk.py [--shapes generic attention beam] [--repeats 5] [--json PATH]
+    .venv/bin/python benchmarks/bench_soft_topk.py --tables floor [--floor-rounds 21] [--peers ...]  # the targets
+    .venv/bin/python benchmarks/bench_soft_topk.py --tables against_n --plot docs/figures/operator_time_vs_n.png
     .venv/bin/python benchmarks/bench_soft_topk.py --device cuda [--repeats 10]
+
+``floor`` (the first table): the operator as the README calls it -- ``soft_topk(scores, k, epsilon=0.1)``, the
+temperature in the scores' units -- against the hard top-k itself, ``torch.zeros_like(x).scatter_(-1,
+x.topk(k).indices, 1)`` (its forward only: the floor a differentiable top-k is measured against), and the peers
+with a gradient: entmax's ``budget_bisect``, the perturbed top-k (10 and 100 samples) and difftopk's bitonic
+sorting network (Petersen et al. 2022, ``difftopk``; it holds a dense n x n matrix per row and layer: run up to
+64 MiB a layer); ``--peers`` picks them. Every row forward + backward of a random linear loss, all timed in turn
+in ``--floor-rounds`` rounds after a warm-up, medians; it prints each ratio to the hard top-k and the sorted
+operator's to the unsorted one, at k = 5, and the unsorted one's ratio at other k (``--floor-k``). ``against_n``:
+the same rows at 64 rows and n from 32 to 10,000 (k = 5; ``--against-n``), with the authors' code, and ``--plot
+PATH`` draws time against n.
 
 For each shape (rows x n, k = 5, float32, forward + backward of a random linear loss) it prints the median time
 of: our sorted and unsorted op (Newton + closed-form backward; ``backend="auto"``, which on CPU runs the fused C
@@ -23,6 +37,8 @@ With ``--device cuda`` it prints the GPU table instead: the fused Triton kernels
 paper's code and ``torch.topk`` at every shape, all timed alternately on the GPU's clock (CUDA events).
 """
 import argparse
+import contextlib
+import io
 import os
 import sys
 
@@ -39,6 +55,11 @@ try:  # a peer for the unsorted operator: entmax's budget_bisect (the `bench` ex
     from entmax import budget_bisect
 except ImportError:  # pragma: no cover
     budget_bisect = None
+try:  # difftopk's differentiable sorting networks (the `bench` extra), else its rows are "-"
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints that an optional torch_sparse is missing
+        import difftopk
+except ImportError:  # pragma: no cover
+    difftopk = None
 
 EPS = 0.1
 CPU_COLUMNS = ("shape", "ours sorted", "ours unsorted", "ours sorted torch path", "paper 200it", "unrolled 200it",
@@ -47,6 +68,164 @@ CPU_COLUMNS = ("shape", "ours sorted", "ours unsorted", "ours sorted torch path"
                "perturbed 10 unsorted", "perturbed 100 unsorted")
 GPU_COLUMNS = ("shape", "triton sorted", "triton unsorted", "torch path sorted", "torch path unsorted",
                "paper 200it", "torch.topk", "torch/triton sorted", "torch/triton unsorted", "paper/triton")
+
+
+FLOOR_COLUMNS = ("shape", "hard top-k (forward)", "ours unsorted", "/ hard", "ours sorted", "sorted / unsorted",
+                 "budget_bisect", "/ ours unsorted", "perturbed 10", "perturbed 100", "difftopk bitonic")
+DIFFTOPK_MAX_BYTES = 64 * 2**20  # difftopk's dense n x n matrix per row and layer: at most this much per layer
+PEERS = ("budget_bisect", "perturbed", "difftopk")
+
+
+def hard_topk_mask(x, k=K):
+    """The hard top-k as a mask: what a differentiable top-k relaxes, and the floor of its cost."""
+    return torch.zeros_like(x).scatter_(-1, x.topk(k).indices, 1)
+
+
+def readme_call(sorted, k=K):
+    """The operator as the README calls it: epsilon 0.1 in the scores' units."""
+    return lambda z: soft_topk(z, k, epsilon=EPS, sorted=sorted)
+
+
+def difftopk_call(rows, n, k=K):
+    """difftopk's bitonic sorting network (steepness 10, its default) on (rows, n), or None with why not (not
+    installed, or a dense layer of rows x n x n floats over DIFFTOPK_MAX_BYTES)."""
+    if difftopk is None:
+        return None, "difftopk is not installed (the bench extra)"
+    if rows * n * n * 4 > DIFFTOPK_MAX_BYTES:
+        return None, (f"not run at {rows}x{n}: its network holds a dense {n} x {n} matrix per row and layer, "
+                      f"{rows * n * n * 4 / 2**30:.1f} GiB per layer")
+    size = 1 << max(0, (n - 1).bit_length())  # bitonic networks need a power of two: pad with -inf
+    net = difftopk.DiffTopkNet("bitonic", size, k, device="cpu")
+
+    def call(z):
+        padded = z if size == n else torch.cat([z, z.new_full((rows, size - n), -1e9)], -1)
+        return net(padded)[1][:, :n]  # (rows, n, k): element j at rank l
+
+    return call, None
+
+
+def floor_rows(x, w, peers=PEERS, k=K):
+    """The floor table's rows on scores x, with the peers named: row -> one forward (+ backward) call."""
+    rows_, n = x.shape
+    calls = {"hard top-k": lambda: hard_topk_mask(x, k),
+             "ours unsorted": forward_backward(readme_call(False, k), x, w),
+             "ours sorted": forward_backward(readme_call(True, k), x, w)}
+    if budget_bisect is not None and "budget_bisect" in peers:
+        calls["budget_bisect"] = forward_backward(lambda z: budget_bisect(z, k), x, w)
+    for samples in (10, 100) if "perturbed" in peers else ():
+        calls[f"perturbed {samples}"] = forward_backward(
+            lambda z, samples=samples: perturbed_topk(z, k, sigma=EPS, samples=samples), x, w)
+    sorting_network, _ = difftopk_call(rows_, n, k) if "difftopk" in peers else (None, None)
+    if sorting_network is not None:
+        calls["difftopk bitonic"] = forward_backward(sorting_network, x, w)
+    return calls
+
+
+def bench_floor(args, results):
+    """The operator against the hard top-k and its peers (module docstring), with the targets' ratios."""
+    print(f"\nThe differentiable top-k against the hard one: torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads, float32, k={K}, soft_topk(scores, k, epsilon={EPS}) (the README's call), forward + backward "
+          f"(the hard top-k: forward), all rows in turn, median of {args.floor_rounds} rounds")
+    print(harness.table_header(FLOOR_COLUMNS))
+    notes = []
+    for name in args.shapes:
+        rows_, n = SHAPES[name]
+        shape = f"{name} {rows_}x{n}"
+        gen = torch.Generator().manual_seed(0)
+        x = operator_scores(name, rows_, n, gen)
+        w = torch.randn(rows_, n, K, generator=gen)
+        calls = floor_rows(x, w, args.peers)
+        slow = {row for row in calls if row.startswith(("perturbed 100", "difftopk"))}
+        timed = harness.compare(("hard top-k", calls["hard top-k"]),
+                                {row: fn for row, fn in calls.items() if row != "hard top-k" and row not in slow},
+                                args.floor_rounds)
+        slow_timed = None if not slow else harness.compare(
+            ("ours unsorted", calls["ours unsorted"]), {row: calls[row] for row in slow}, max(1, args.floor_rounds // 7))
+        t = {row: timed.seconds(row) for row in timed.times}
+        if slow_timed is not None:  # the slow peers' ratio to ours unsorted, rescaled to this table's ours
+            t.update({row: slow_timed.ratio(row) * t["ours unsorted"] for row in slow})
+        for row, seconds in t.items():
+            base = None if row == "hard top-k" else ("ours unsorted" if row != "ours unsorted" else "hard top-k")
+            results.add(row, seconds, shape=shape, baseline=base, baseline_seconds=t[base] if base else None,
+                        table="floor", **({"pass": "forward"} if row == "hard top-k" else {}))
+        _, why = difftopk_call(rows_, n)
+        if why and "difftopk" in args.peers:
+            notes.append(f"difftopk at {shape}: {why}")
+
+        def ms(row):
+            return f"{t[row] * 1e3:.2f} ms" if row in t else "-"
+
+        print(harness.table_row([
+            shape, ms("hard top-k"), ms("ours unsorted"), f"{t['ours unsorted'] / t['hard top-k']:.2f}x",
+            ms("ours sorted"), f"{t['ours sorted'] / t['ours unsorted']:.1f}x", ms("budget_bisect"),
+            f"{t['budget_bisect'] / t['ours unsorted']:.1f}x" if "budget_bisect" in t else "-",
+            ms("perturbed 10"), ms("perturbed 100"), ms("difftopk bitonic")]), flush=True)
+        for k in args.floor_k:
+            if k == K or k >= n:
+                continue
+            kk = harness.compare(("hard top-k", lambda k=k: hard_topk_mask(x, k)),
+                                 {"ours unsorted": forward_backward(readme_call(False, k), x, w)}, args.floor_rounds)
+            results.add("ours unsorted", kk.seconds("ours unsorted"), shape=shape, baseline="hard top-k",
+                        baseline_seconds=kk.seconds("hard top-k"), table="floor", k=k)
+            notes.append(f"{shape}, k = {k}: ours unsorted {kk.seconds('ours unsorted') * 1e3:.2f} ms, "
+                         f"{kk.ratio('ours unsorted'):.2f}x the hard top-k ({kk.seconds('hard top-k') * 1e3:.2f} ms)")
+    for note in notes:
+        print(f"- {note}")
+
+
+AGAINST_N = (32, 100, 316, 1000, 3162, 10000)
+AGAINST_N_ROWS = 64
+
+
+def bench_against_n(args, results):
+    """Every row of the floor table and the authors' code at 64 rows and n from 32 to 10,000, k = 5 (module
+    docstring); with ``--plot`` the figure."""
+    print(f"\nTime against n: {AGAINST_N_ROWS} rows, k={K}, forward + backward (the hard top-k: forward), "
+          f"all rows in turn, median of {args.floor_rounds} rounds (the slow ones: fewer)")
+    series = {}
+    for n in args.against_n:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(AGAINST_N_ROWS, n, generator=gen)
+        w = torch.randn(AGAINST_N_ROWS, n, K, generator=gen)
+        calls = floor_rows(x, w, args.peers)
+        calls["authors' code (sorted)"] = forward_backward(paper, x, w)
+        slow = {row for row in calls if row.startswith(("perturbed 100", "difftopk", "authors"))}
+        fast = harness.compare(("hard top-k", calls["hard top-k"]),
+                               {row: fn for row, fn in calls.items() if row != "hard top-k" and row not in slow},
+                               args.floor_rounds)
+        slow_timed = harness.compare(("ours unsorted", calls["ours unsorted"]), {row: calls[row] for row in slow},
+                                     max(1, args.floor_rounds // 7))
+        t = {row: fast.seconds(row) for row in fast.times}
+        t.update({row: slow_timed.ratio(row) * t["ours unsorted"] for row in slow})
+        for row, seconds in t.items():
+            series.setdefault(row, []).append((n, seconds))
+            results.add(row, seconds, shape=f"{AGAINST_N_ROWS}x{n}", table="against_n")
+        print(f"n = {n}: " + ", ".join(f"{row} {seconds * 1e3:.2f} ms" for row, seconds in t.items()), flush=True)
+    if args.plot:
+        plot_against_n(series, args.plot)
+        print(f"plot: {args.plot}")
+
+
+def plot_against_n(series, path):
+    """Time against n, log-log, one line per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for row, points in series.items():
+        style = "k--" if row == "hard top-k" else "-o"
+        ax.plot([n for n, _ in points], [s * 1e3 for _, s in points], style, label=row, markersize=3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"n (scores per row; {AGAINST_N_ROWS} rows, k = {K})")
+    ax.set_ylabel("ms, forward + backward")
+    ax.set_title(f"soft_topk against the hard top-k and its peers ({torch.get_num_threads()} CPU threads)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def ours(sorted, backend="auto"):
@@ -98,6 +277,16 @@ def main():
     parser.add_argument("--no-unrolled", action="store_true", help="skip autograd through unrolled Sinkhorn")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: only the GPU table (Triton kernels against our PyTorch path and the paper's)")
+    parser.add_argument("--tables", nargs="+", default=["floor", "authors"], choices=["floor", "authors", "against_n"],
+                        help="CPU tables: floor (against the hard top-k and the peers), authors (against the "
+                             "authors' code, the paper scaling), against_n (time against n)")
+    parser.add_argument("--floor-rounds", type=int, default=21, help="rounds of the floor and against_n tables")
+    parser.add_argument("--floor-k", type=int, nargs="*", default=[1, 5, 16, 64],
+                        help="k of the unsorted operator against the hard top-k (floor table)")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                        help="floor and against_n: the peers timed beside ours and the hard top-k")
+    parser.add_argument("--against-n", type=int, nargs="+", default=list(AGAINST_N), help="against_n: the n")
+    parser.add_argument("--plot", help="against_n: the figure of time against n (PNG)")
     harness.add_json_argument(parser)
     args = parser.parse_args()
     if args.threads:
@@ -108,12 +297,17 @@ def main():
             raise SystemExit("bench_soft_topk: --device cuda but torch sees no CUDA device")
         bench_gpu(args, results)
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, k={K}, eps={EPS} "
-          f"(paper scaling), forward+backward; each group timed alternately with its baseline: median of "
-          f"{args.repeats} rounds (unsorted peers: {args.peer_repeats})")
-    print(harness.table_header(CPU_COLUMNS))
-    for name in args.shapes:
-        bench_shape(name, args, results)
+    if "floor" in args.tables:
+        bench_floor(args, results)
+    if "authors" in args.tables:
+        print(f"\nAgainst the authors' code: torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+              f"k={K}, eps={EPS} (paper scaling), forward+backward; each group timed alternately with its baseline: "
+              f"median of {args.repeats} rounds (unsorted peers: {args.peer_repeats})")
+        print(harness.table_header(CPU_COLUMNS))
+        for name in args.shapes:
+            bench_shape(name, args, results)
+    if "against_n" in args.tables:
+        bench_against_n(args, results)
 
 
 def bench_gpu(args, results):

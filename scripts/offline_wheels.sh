@@ -9,9 +9,10 @@
 # the tokenizers, scoring, the tests and the benchmarks' peers need that a PyTorch image usually lacks. Binary
 # wheels are taken for PYTHON_VERSION on manylinux x86-64 (fairseq-fixed 0.12.3.1 has one for CPython 3.12:
 # its Cython helpers are built against NumPy 2's C API, its torch extensions are used by models we do not
-# load); the pure-Python packages published only as sdists (PURE_SDISTS: antlr4-python3-runtime 4.9.3) are built
-# into py3-none-any wheels here. Any other package without a wheel for that Python fails here, by name, not
-# there (its sdist is not tried: building fairseq's would pull a torch into pip's build environment).
+# load); the pure-Python packages published only as sdists (PURE_SDISTS: antlr4-python3-runtime 4.9.3,
+# difftopk 0.2.0) are built into py3-none-any wheels here. Any other package without a wheel for that Python
+# fails here, by name, not there (its sdist is not tried: building fairseq's would pull a torch into pip's
+# build environment).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [[ $# -ge 1 && $# -le 2 ]] || { echo "usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION]" >&2; exit 2; }
@@ -25,8 +26,8 @@ fi
 version=${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
 [[ $version =~ ^3\.[0-9]+$ ]] || { echo "offline_wheels: PYTHON_VERSION must look like 3.12, got '$version'" >&2; exit 2; }
 KIT=(fairseq-fixed hydra-core omegaconf antlr4-python3-runtime bitarray cffi pycparser sacrebleu portalocker
-     tabulate colorama sentencepiece subword-nmt mock sacremoses hypothesis entmax)
-PURE_SDISTS=" antlr4-python3-runtime "
+     tabulate colorama sentencepiece subword-nmt mock sacremoses hypothesis entmax difftopk diffsort)
+PURE_SDISTS=" antlr4-python3-runtime difftopk "
 mkdir -p "$dir"
 pip=("$py" -m pip --disable-pip-version-check -q)
 for name in "${KIT[@]}"; do

@@ -68,8 +68,8 @@ log "3/5 fairseq-fixed (compiles against our torch; a few minutes on first run)"
 if ! "$venv/bin/python" -c "import fairseq" 2>/dev/null; then
     "${pip[@]}" --no-build-isolation fairseq-fixed hydra-core omegaconf antlr4-python3-runtime bitarray
 fi
-log "4/5 tokenizers, scoring, triton, test tools, matplotlib, entmax (a benchmark peer), scikit-learn (its digits)"
-"${pip[@]}" sentencepiece subword-nmt sacrebleu sacremoses triton pytest hypothesis matplotlib entmax scikit-learn
+log "4/5 tokenizers, scoring, triton, test tools, matplotlib, entmax and difftopk (benchmark peers), scikit-learn (its digits)"
+"${pip[@]}" sentencepiece subword-nmt sacrebleu sacremoses triton pytest hypothesis matplotlib entmax difftopk scikit-learn
 log "5/5 softtopk-fairseq (editable)"
 "${pip[@]}" --no-build-isolation --no-deps -e "$root"
 

@@ -169,3 +169,26 @@ def test_user_benchmarks_import_only_the_libraries():
         with open(os.path.join(BENCH, name), encoding="utf-8") as f:
             imported = set(re.findall(r"^\s*(?:from|import) (\w+)", f.read(), flags=re.M))
         assert not imported & {s[:-3] for s in scripts}, (name, imported)
+
+
+def test_operator_benchmark_floor_table_ratios_to_the_hard_topk_and_time_against_n(tmp_path):
+    """The floor table times the README's call against the hard top-k's forward and prints the ratio its row
+    records; the against-n table draws its figure."""
+    path, plot = tmp_path / "rows.jsonl", tmp_path / "n.png"
+    out = bench("bench_soft_topk.py", "--tables", "floor", "against_n", "--shapes", "generic", "--floor-rounds", "1",
+                "--floor-k", "16", "--peers", "budget_bisect", "--against-n", "32", "100", "--plot", plot,
+                "--threads", "1", "--json", path)
+    rows = table(out)
+    assert rows[0][:4] == ["shape", "hard top-k (forward)", "ours unsorted", "/ hard"]
+    assert rows[1][0] == "generic 64x1000"
+    records = list(harness.read_rows(str(path)))
+    floor = {r["row"]: r for r in records if r["figures"]["table"] == "floor" and "k" not in r["figures"]}
+    assert set(floor) == {"hard top-k", "ours unsorted", "ours sorted", "budget_bisect"}, out
+    ours = floor["ours unsorted"]
+    assert ours["baseline"]["row"] == "hard top-k" and rows[1][3] == f"{ours['ratio']:.2f}x"
+    assert floor["hard top-k"]["figures"]["pass"] == "forward"
+    assert floor["budget_bisect"]["baseline"]["row"] == "ours unsorted"
+    assert [r["figures"]["k"] for r in records if "k" in r["figures"]] == [16] and "k = 16" in out
+    against = {(r["row"], r["shape"]) for r in records if r["figures"]["table"] == "against_n"}
+    assert {("authors' code (sorted)", "64x32"), ("ours unsorted", "64x100"), ("hard top-k", "64x100")} <= against
+    assert plot.stat().st_size > 0
