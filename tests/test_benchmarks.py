@@ -103,8 +103,8 @@ def test_training_step_times_a_baseline_update_alternately_in_the_process():
 
 def test_operator_benchmark_prints_its_table_and_writes_its_rows(tmp_path):
     path = tmp_path / "rows.jsonl"
-    out = bench("bench_soft_topk.py", "--shapes", "generic", "--repeats", "1", "--peer-repeats", "2",
-                "--no-unrolled", "--threads", "1", "--json", path)
+    out = bench("bench_soft_topk.py", "--tables", "authors", "--shapes", "generic", "--repeats", "1",
+                "--peer-repeats", "2", "--no-unrolled", "--threads", "1", "--json", path)
     rows = table(out)
     assert len(rows) == 2 and rows[1][0] == "generic 64x1000" and len(rows[1]) == 17, out
     records = {r["row"]: r for r in harness.read_rows(str(path))}
