@@ -11,9 +11,12 @@ temperature in the scores' units -- against the hard top-k itself, ``torch.zeros
 x.topk(k).indices, 1)`` (its forward only: the floor a differentiable top-k is measured against), and the peers
 with a gradient: entmax's ``budget_bisect``, the perturbed top-k (10 and 100 samples) and difftopk's bitonic
 sorting network (Petersen et al. 2022, ``difftopk``; it holds a dense n x n matrix per row and layer: run up to
-64 MiB a layer); ``--peers`` picks them. Every row forward + backward of a random linear loss, all timed in turn
-in ``--floor-rounds`` rounds after a warm-up, medians; it prints each ratio to the hard top-k and the sorted
-operator's to the unsorted one, at k = 5, and the unsorted one's ratio at other k (``--floor-k``). ``against_n``:
+64 MiB a layer); ``--peers`` picks them. Every row forward + backward of a random linear loss (its gradient handed
+to the output's backward). The hard top-k and our unsorted and sorted op are timed in turn, alone, in
+``--floor-rounds`` rounds after a warm-up (medians); each peer in turn with ours unsorted (the slow ones in a
+seventh of the rounds), so that every ratio comes from one set of rounds and no peer's working set sits between
+the target's calls. It prints the ratios to the hard top-k, of the sorted operator to the unsorted one and of each
+peer to ours, at k = 5, and the unsorted one's ratio at other k (``--floor-k``). ``against_n``:
 the same rows at 64 rows and n from 32 to 10,000 (k = 5; ``--against-n``), with the authors' code, and ``--plot
 PATH`` draws time against n.
 
@@ -71,7 +74,8 @@ GPU_COLUMNS = ("shape", "triton sorted", "triton unsorted", "torch path sorted",
 
 
 FLOOR_COLUMNS = ("shape", "hard top-k (forward)", "ours unsorted", "/ hard", "ours sorted", "sorted / unsorted",
-                 "budget_bisect", "/ ours unsorted", "perturbed 10", "perturbed 100", "difftopk bitonic")
+                 "budget_bisect", "/ ours", "perturbed 10", "/ ours", "perturbed 100", "/ ours", "difftopk bitonic",
+                 "/ ours")
 DIFFTOPK_MAX_BYTES = 64 * 2**20  # difftopk's dense n x n matrix per row and layer: at most this much per layer
 PEERS = ("budget_bisect", "perturbed", "difftopk")
 
@@ -121,11 +125,35 @@ def floor_rows(x, w, peers=PEERS, k=K):
     return calls
 
 
+TARGETS = ("hard top-k", "ours unsorted", "ours sorted")  # the floor table's group: timed in turn, alone
+SLOW = ("perturbed 100", "difftopk", "authors")  # rows timed in fewer rounds
+
+
+def time_floor_rows(calls, rounds):
+    """``calls`` (floor_rows, maybe more) timed in groups, each in turn in one process: the targets' three calls
+    alone (so that no peer's working set stands between them), the fast peers with ours unsorted, the slow ones
+    (SLOW) with ours unsorted in a seventh of the rounds. Returns row -> (seconds, baseline row or None, the
+    baseline's seconds in the row's group)."""
+    targets = {row: calls[row] for row in TARGETS}
+    group = harness.compare(("hard top-k", targets.pop("hard top-k")), targets, rounds)
+    timed = {"hard top-k": (group.seconds("hard top-k"), None, None),
+             "ours unsorted": (group.seconds("ours unsorted"), "hard top-k", group.seconds("hard top-k")),
+             "ours sorted": (group.seconds("ours sorted"), "ours unsorted", group.seconds("ours unsorted"))}
+    peers = [row for row in calls if row not in TARGETS]
+    for names, n_rounds in (([r for r in peers if not r.startswith(SLOW)], rounds),
+                            ([r for r in peers if r.startswith(SLOW)], max(1, rounds // 7))):
+        if names:
+            group = harness.compare(("ours unsorted", calls["ours unsorted"]), {r: calls[r] for r in names}, n_rounds)
+            timed.update({r: (group.seconds(r), "ours unsorted", group.seconds("ours unsorted")) for r in names})
+    return timed
+
+
 def bench_floor(args, results):
     """The operator against the hard top-k and its peers (module docstring), with the targets' ratios."""
     print(f"\nThe differentiable top-k against the hard one: torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, float32, k={K}, soft_topk(scores, k, epsilon={EPS}) (the README's call), forward + backward "
-          f"(the hard top-k: forward), all rows in turn, median of {args.floor_rounds} rounds")
+          f"(the hard top-k: forward). The hard top-k and ours timed in turn, {args.floor_rounds} rounds, medians; "
+          f"each peer in turn with ours unsorted, its ratio to ours from those rounds")
     print(harness.table_header(FLOOR_COLUMNS))
     notes = []
     for name in args.shapes:
@@ -134,32 +162,25 @@ def bench_floor(args, results):
         gen = torch.Generator().manual_seed(0)
         x = operator_scores(name, rows_, n, gen)
         w = torch.randn(rows_, n, K, generator=gen)
-        calls = floor_rows(x, w, args.peers)
-        slow = {row for row in calls if row.startswith(("perturbed 100", "difftopk"))}
-        timed = harness.compare(("hard top-k", calls["hard top-k"]),
-                                {row: fn for row, fn in calls.items() if row != "hard top-k" and row not in slow},
-                                args.floor_rounds)
-        slow_timed = None if not slow else harness.compare(
-            ("ours unsorted", calls["ours unsorted"]), {row: calls[row] for row in slow}, max(1, args.floor_rounds // 7))
-        t = {row: timed.seconds(row) for row in timed.times}
-        if slow_timed is not None:  # the slow peers' ratio to ours unsorted, rescaled to this table's ours
-            t.update({row: slow_timed.ratio(row) * t["ours unsorted"] for row in slow})
-        for row, seconds in t.items():
-            base = None if row == "hard top-k" else ("ours unsorted" if row != "ours unsorted" else "hard top-k")
-            results.add(row, seconds, shape=shape, baseline=base, baseline_seconds=t[base] if base else None,
-                        table="floor", **({"pass": "forward"} if row == "hard top-k" else {}))
+        timed = time_floor_rows(floor_rows(x, w, args.peers), args.floor_rounds)
+        for row, (seconds, base, base_seconds) in timed.items():
+            results.add(row, seconds, shape=shape, baseline=base, baseline_seconds=base_seconds, table="floor",
+                        **({"pass": "forward"} if row == "hard top-k" else {}))
         _, why = difftopk_call(rows_, n)
         if why and "difftopk" in args.peers:
             notes.append(f"difftopk at {shape}: {why}")
 
         def ms(row):
-            return f"{t[row] * 1e3:.2f} ms" if row in t else "-"
+            return f"{timed[row][0] * 1e3:.2f} ms" if row in timed else "-"
+
+        def ratio(row, digits=1):
+            return f"{timed[row][0] / timed[row][2]:.{digits}f}x" if row in timed else "-"
 
         print(harness.table_row([
-            shape, ms("hard top-k"), ms("ours unsorted"), f"{t['ours unsorted'] / t['hard top-k']:.2f}x",
-            ms("ours sorted"), f"{t['ours sorted'] / t['ours unsorted']:.1f}x", ms("budget_bisect"),
-            f"{t['budget_bisect'] / t['ours unsorted']:.1f}x" if "budget_bisect" in t else "-",
-            ms("perturbed 10"), ms("perturbed 100"), ms("difftopk bitonic")]), flush=True)
+            shape, ms("hard top-k"), ms("ours unsorted"), ratio("ours unsorted", 2), ms("ours sorted"),
+            ratio("ours sorted"), ms("budget_bisect"), ratio("budget_bisect"), ms("perturbed 10"),
+            ratio("perturbed 10"), ms("perturbed 100"), ratio("perturbed 100"), ms("difftopk bitonic"),
+            ratio("difftopk bitonic", 0)]), flush=True)
         for k in args.floor_k:
             if k == K or k >= n:
                 continue
@@ -180,8 +201,8 @@ AGAINST_N_ROWS = 64
 def bench_against_n(args, results):
     """Every row of the floor table and the authors' code at 64 rows and n from 32 to 10,000, k = 5 (module
     docstring); with ``--plot`` the figure."""
-    print(f"\nTime against n: {AGAINST_N_ROWS} rows, k={K}, forward + backward (the hard top-k: forward), "
-          f"all rows in turn, median of {args.floor_rounds} rounds (the slow ones: fewer)")
+    print(f"\nTime against n: {AGAINST_N_ROWS} rows, k={K}, forward + backward (the hard top-k: forward), timed "
+          f"as in the floor table ({args.floor_rounds} rounds; the slow rows fewer)")
     series = {}
     for n in args.against_n:
         gen = torch.Generator().manual_seed(0)
@@ -189,18 +210,12 @@ def bench_against_n(args, results):
         w = torch.randn(AGAINST_N_ROWS, n, K, generator=gen)
         calls = floor_rows(x, w, args.peers)
         calls["authors' code (sorted)"] = forward_backward(paper, x, w)
-        slow = {row for row in calls if row.startswith(("perturbed 100", "difftopk", "authors"))}
-        fast = harness.compare(("hard top-k", calls["hard top-k"]),
-                               {row: fn for row, fn in calls.items() if row != "hard top-k" and row not in slow},
-                               args.floor_rounds)
-        slow_timed = harness.compare(("ours unsorted", calls["ours unsorted"]), {row: calls[row] for row in slow},
-                                     max(1, args.floor_rounds // 7))
-        t = {row: fast.seconds(row) for row in fast.times}
-        t.update({row: slow_timed.ratio(row) * t["ours unsorted"] for row in slow})
-        for row, seconds in t.items():
+        timed = time_floor_rows(calls, args.floor_rounds)
+        for row, (seconds, base, base_seconds) in timed.items():
             series.setdefault(row, []).append((n, seconds))
-            results.add(row, seconds, shape=f"{AGAINST_N_ROWS}x{n}", table="against_n")
-        print(f"n = {n}: " + ", ".join(f"{row} {seconds * 1e3:.2f} ms" for row, seconds in t.items()), flush=True)
+            results.add(row, seconds, shape=f"{AGAINST_N_ROWS}x{n}", baseline=base, baseline_seconds=base_seconds,
+                        table="against_n")
+        print(f"n = {n}: " + ", ".join(f"{row} {t[0] * 1e3:.2f} ms" for row, t in timed.items()), flush=True)
     if args.plot:
         plot_against_n(series, args.plot)
         print(f"plot: {args.plot}")

@@ -231,10 +231,17 @@ def operator_scores(name: str, rows: int, n: int, generator):
 
 
 def forward_backward(op: Callable, x, weights) -> Call:
-    """One call of ``op`` on a fresh copy of ``x`` and the backward of a fixed random linear loss: ``weights``
-    (x's shape plus a rank dimension) weigh a sorted output's ranks, its first column an unsorted output."""
+    """One call of ``op`` on a fresh leaf of ``x`` and the backward of a fixed random linear loss
+    ``(out * w).sum()``, its gradient ``w`` handed to ``out.backward`` (no loss operations in the timing):
+    ``weights`` (x's shape plus a rank dimension) weigh a sorted output's ranks, its first column an unsorted
+    output (contiguous copies made once, outside the timed call)."""
+    grads = {}
+
     def run():
-        xg = x.clone().requires_grad_()
+        xg = x.detach().requires_grad_()
         out = op(xg)
-        (out * weights[..., : out.shape[-1]] if out.dim() == 3 else out * weights[..., 0]).sum().backward()
+        key = out.shape[-1] if out.dim() == x.dim() + 1 else None
+        if key not in grads:
+            grads[key] = (weights[..., :key] if key is not None else weights[..., 0]).contiguous()
+        out.backward(grads[key])
     return run

@@ -610,3 +610,54 @@ def test_use_backend_rejects_unknown_names_and_restores():
             assert backends.resolve("auto") == "cpu"
         assert backends.resolve("auto") == "torch" and backends.resolve("cpu") == "cpu"
     assert backends.resolve("auto") == "auto"
+
+
+def _allocations(fn):
+    """The sizes of the CPU allocations of one call of ``fn`` (after a warm-up call), each counted once: at the
+    profiler event that made it, not again at the events around it."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sorted(e.cpu_memory_usage for e in prof.events()
+                  if e.cpu_memory_usage > 0 and not any(c.cpu_memory_usage > 0 for c in e.cpu_children))
+
+
+@pytest.mark.parametrize("paper", [False, True])
+def test_the_common_unsorted_call_on_cpu_allocates_its_output_and_gradient_only(paper):
+    """soft_topk(scores, k, epsilon=...) on float32 CPU scores, the most common call, is one C call each way
+    around which nothing else is allocated: the output, the gradient and -- under the paper scaling -- the
+    per-row temperature, where its maximum sits and d eps / d x there (the backward's)."""
+    x, w = torch.randn(3, 64, 100), torch.randn(3, 64, 100)
+    scaling = "paper" if paper else "none"
+    temperature = [2 * 192 * 4, 192 * 8] if paper else []  # (eps and slope: one float32 tensor; where: int64)
+    assert _allocations(lambda: soft_topk(x, 5, epsilon=0.1, scaling=scaling)) == sorted([x.nbytes, *temperature])
+
+    def forward_backward():
+        soft_topk(x.detach().requires_grad_(), 5, epsilon=0.1, scaling=scaling).backward(w)
+
+    assert _allocations(forward_backward) == sorted([x.nbytes, x.nbytes, *temperature])
+
+
+def test_the_common_unsorted_call_on_cpu_matches_the_general_path_bit_for_bit():
+    """The thin path (defaults for tol and max_iter, scores contiguous and selected along their last dimension)
+    and the general one (here: the same tolerance spelled out, or the scores transposed) compute the same bits,
+    forward and backward, and report the same refusals."""
+    from softtopk_fairseq import defaults
+
+    x, w = torch.randn(4, 7, 40), torch.randn(4, 7, 40)
+    results = []
+    for call in (lambda s: soft_topk(s, 3, epsilon=0.2),
+                 lambda s: soft_topk(s, 3, epsilon=0.2, tol=defaults.TOL_FLOAT32),
+                 lambda s: soft_topk(s.transpose(1, 2), 3, epsilon=0.2, dim=1).transpose(1, 2)):
+        xg = x.detach().requires_grad_()
+        out = call(xg)
+        out.backward(w)
+        results.append((out.detach(), xg.grad))
+    for out, grad in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(grad, results[0][1])
+    bad = x.clone()
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        soft_topk(bad, 3, epsilon=0.2)
+    with pytest.raises(ValueError, match="k must be in"):
+        soft_topk(x, 41, epsilon=0.2)

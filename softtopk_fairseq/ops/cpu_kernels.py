@@ -107,6 +107,8 @@ def _build() -> ctypes.CDLL:
 def library() -> ctypes.CDLL:
     """The compiled kernels (built on first call); raises RuntimeError when they cannot be built."""
     global _lib, _error
+    if _lib is not None:  # (every call asks: no lock once built)
+        return _lib
     with _lock:
         if _lib is None and _error is None:
             try:
@@ -197,36 +199,52 @@ def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad):
     return grad, grad_eps
 
 
+_scratch = threading.local()
+
+
+def _info_scratch(rows: int) -> torch.Tensor:
+    """This thread's (rows, 2) float32 buffer for a fused forward's info, grown as needed and reused: the info is
+    read only when a row is capped (or for ``return_info``, which copies it), so the common call allocates
+    nothing for it."""
+    buf = getattr(_scratch, "info", None)
+    if buf is None or buf.shape[0] < rows:
+        buf = _scratch.info = torch.empty((max(rows, 64), 2), dtype=torch.float32)
+    return buf
+
+
 def unsorted_fused_forward(x, k, epsilon, paper, bound, tol, max_iter):
-    """The unsorted forward for the operator's fast path on float32 CPU scores ``x`` (rows, n), contiguous, all
-    entries valid but ``-inf`` ones, no mask: its output (rows, n) and info (rows, 2), the status bits
-    (kernel_interface.STATUS_BITS: refused rows, CAPPED), and with ``paper`` the paper scaling's eps, at and slope
-    (rows,) computed in the same pass (``paper = (anchor_top, epsilon)``); without it every row's temperature is
-    ``epsilon`` (no per-row tensor). Nothing else allocated: the caller checked the arguments."""
-    rows, n = x.shape
+    """The unsorted forward for the operator's fast path on float32 CPU scores ``x`` (any shape, selected along
+    the last dimension), contiguous, all entries valid but ``-inf`` ones, no mask: its output (x's shape), the
+    status bits (kernel_interface.STATUS_BITS: refused rows, CAPPED), the info (rows, 2) -- a view of this
+    thread's scratch, overwritten by its next call: read it at once or copy it -- and with ``paper`` the paper
+    scaling's eps, at and slope (rows,) computed in the same pass (``paper = (anchor_top, epsilon)``); without
+    it every row's temperature is ``epsilon`` (no per-row tensor). Nothing else allocated: the caller checked
+    the arguments."""
+    n = x.shape[-1]
+    rows = x.numel() // n
     out = torch.empty_like(x)
-    info = torch.empty((rows, 2), dtype=torch.float32)
+    info = _info_scratch(rows)
     if paper is None:
         eps = at = slope = None
         anchor_top, temperature = 0.0, epsilon
     else:
-        eps, at, slope, anchor_top, temperature = temperature_outputs(x, None, paper)
+        eps, at, slope, anchor_top, temperature = temperature_outputs(x.view(rows, n), None, paper)
     status = library().soft_topk_unsorted_forward(
         x.data_ptr(), None, _ptr(eps), bound, out.data_ptr(), info.data_ptr(), rows, n, k, tol, max_iter, anchor_top,
         temperature, _ptr(at), _ptr(slope), torch.get_num_threads())
     _raise_if_out_of_memory(status)
-    return out, info, status, eps, at, slope
+    return out, status, info[:rows], eps, at, slope
 
 
 def unsorted_fused_backward(out, grad_out, x, eps, epsilon, at, slope):
-    """dL/dx (rows, n) for :func:`unsorted_fused_forward`'s output: with ``at`` and ``slope`` (the paper scaling)
-    dL/deps * d eps / d x is added in the same pass, from ``x`` and the per-row ``eps``; else every row's
-    temperature is ``epsilon``. Tensors contiguous, float32, on CPU."""
-    rows, n = out.shape
+    """dL/dx (out's shape) for :func:`unsorted_fused_forward`'s output: with ``at`` and ``slope`` (the paper
+    scaling) dL/deps * d eps / d x is added in the same pass, from ``x`` and the per-row ``eps``; else every
+    row's temperature is ``epsilon``. Tensors contiguous, float32, on CPU."""
+    n = out.shape[-1]
     grad = torch.empty_like(out)
     _raise_if_out_of_memory(library().soft_topk_unsorted_backward(
-        out.data_ptr(), grad_out.data_ptr(), None, _ptr(eps), _ptr(x), grad.data_ptr(), None, rows, n, epsilon,
-        _ptr(at), _ptr(slope), torch.get_num_threads()))
+        out.data_ptr(), grad_out.data_ptr(), None, _ptr(eps), _ptr(x), grad.data_ptr(), None, out.numel() // n, n,
+        epsilon, _ptr(at), _ptr(slope), torch.get_num_threads()))
     return grad
 
 

@@ -32,6 +32,7 @@ is all zeros. NaN or ``+inf`` scores (``ops.BadScoresError``; with ``check_error
 instead), ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float scores raise.
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
+import math
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -42,11 +43,12 @@ from softtopk_fairseq import defaults
 from softtopk_fairseq.ops import backends, cpu_kernels, implicit_backward
 from softtopk_fairseq.ops.arguments import check_selection, mask_along_last
 from softtopk_fairseq.ops.backends import SolveOptions
-from softtopk_fairseq.ops.kernel_interface import CAPPED
+from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSED
 
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
 SCALINGS = ("none", "paper")
+_FAST_BACKENDS = ("auto", "cpu")
 DEFAULT_TOL = {torch.float32: defaults.TOL_FLOAT32, torch.float64: defaults.TOL_FLOAT64}
 
 
@@ -175,24 +177,60 @@ class _UnsortedOnCpu(torch.autograd.Function):
     way (``cpu_kernels.unsorted_fused_forward`` / ``_backward``) with nothing else around it -- the work that
     :class:`_SoftTopKEager` does through the backend interface (checks, the paper scaling's temperature, the solve;
     dL/dx with the temperature's share) without its tensor operations and per-row temperature tensor, for the
-    most common call, whose time on small problems is otherwise mostly Python and dispatch. ``report`` (a list)
-    receives the forward's (status, info, eps or None), which the caller reads for its warning and info."""
+    most common call, whose time on small problems is otherwise mostly Python and dispatch. Returns the output
+    and (status bits, info, eps) of the forward (:func:`_unsorted_on_cpu`)."""
 
     @staticmethod
-    def forward(ctx, x, k, epsilon, paper, tol, max_iter, report):
-        out, info, status, eps, at, slope = cpu_kernels.unsorted_fused_forward(
-            x, k, epsilon, (1.0, epsilon) if paper else None, backends.score_bound(torch.float32, k), tol, max_iter)
-        backends.CPU.raise_for_status(status)
-        report.append((status, info, eps))
-        ctx.save_for_backward(out, x if paper else None, eps, at, slope)
+    def forward(ctx, x, k, epsilon, paper, tol, max_iter):
+        out, status, info, eps, at, slope = _unsorted_forward(x, k, epsilon, paper, tol, max_iter)
+        if paper:
+            ctx.save_for_backward(out, x, eps, at, slope)
+        else:
+            ctx.save_for_backward(out)
         ctx.epsilon = epsilon
-        return out
+        return out, (status, info, eps)  # (a Python object: autograd passes it through untracked)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        out, x, eps, at, slope = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_report):
+        saved = ctx.saved_tensors
+        out, x, eps, at, slope = saved if len(saved) == 5 else (saved[0], None, None, None, None)
         grad = cpu_kernels.unsorted_fused_backward(out, grad_out.contiguous(), x, eps, ctx.epsilon, at, slope)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _unsorted_forward(x, k, epsilon, paper, tol, max_iter):
+    out, status, info, eps, at, slope = cpu_kernels.unsorted_fused_forward(
+        x, k, epsilon, (1.0, epsilon) if paper else None, backends.score_bound(torch.float32, k), tol, max_iter)
+    if status & REFUSED:
+        backends.CPU.raise_for_status(status)
+    return out, status, info, eps, at, slope
+
+
+def _unsorted_on_cpu(x: Tensor, k: int, epsilon: float, paper: bool, tol: float, max_iter: int):
+    """The unsorted operator on contiguous float32 CPU scores ``x`` (any shape; selected along the last
+    dimension) by the C kernels (:class:`_UnsortedOnCpu`; without autograd when no gradient is asked for):
+    (out, status, info, eps) -- info (rows, 2) a view of this thread's scratch (``cpu_kernels``), read at once;
+    eps the paper scaling's temperatures, else None."""
+    if x.requires_grad and torch.is_grad_enabled():
+        out, (status, info, eps) = _UnsortedOnCpu.apply(x, k, epsilon, paper, tol, max_iter)
+        return out, status, info, eps
+    out, status, info, eps, _, _ = _unsorted_forward(x, k, epsilon, paper, tol, max_iter)
+    return out, status, info, eps
+
+
+def _takes_unsorted_cpu_path(scores, k, dim, epsilon, scaling, backend) -> bool:
+    """Whether a call to :func:`soft_topk` that is unsorted, unmasked, ``largest``, checked, by Newton, at the
+    default tolerance and without info, runs as it is on the C kernels (:func:`_unsorted_on_cpu`): valid
+    arguments (anything else takes the general path, which checks them and says what is wrong), float32
+    contiguous CPU scores selected along their last dimension, the kernels built, not under torch.compile."""
+    return (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.is_cpu
+            and scores.dim() > 0 and (dim == -1 or dim == scores.dim() - 1) and type(k) is int
+            and 0 < k <= scores.shape[-1] and type(epsilon) in (float, int) and 0 < epsilon < math.inf
+            and scaling in SCALINGS and scores.is_contiguous() and scores.numel() > 0
+            and backends.unsorted_on_cpu(backends.resolve(backend)) and not torch.compiler.is_compiling())
+
+
+_PLAIN_TENSORS = (Tensor, nn.Parameter)
 
 
 def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, opts: SolveOptions,
@@ -380,6 +418,15 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
+    if (mask is None and not sorted and largest and check_errors and not return_info and method == "newton"
+            and tol is None and max_iter is None and backend in _FAST_BACKENDS
+            and _takes_unsorted_cpu_path(scores, k, dim, epsilon, scaling, backend)):
+        # the most common call, as thin as the hard top-k's: one C call each way
+        out, status, info, _ = _unsorted_on_cpu(scores, k, float(epsilon), scaling == "paper",
+                                                defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
+        if status & CAPPED:
+            _warn_if_capped(info, defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
+        return out
     _validate(scores, k, epsilon, scaling, method, backend, mask, dim)
     dim = dim % scores.dim()
     in_dtype = scores.dtype
@@ -406,10 +453,9 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
         eps = eps.detach()
     elif (not sorted and row_mask is None and largest and check_errors and method == "newton"
           and x.dtype == torch.float32 and x.device.type == "cpu" and backends.unsorted_on_cpu(backend)):
-        report = []
-        out = _UnsortedOnCpu.apply(x if x.is_contiguous() else x.contiguous(), k, float(epsilon), scaling == "paper",
-                                   float(tol), int(max_iter), report)
-        status, info, eps = report[0]
+        out, status, info, eps = _unsorted_on_cpu(x if x.is_contiguous() else x.contiguous(), k, float(epsilon),
+                                                  scaling == "paper", float(tol), int(max_iter))
+        info = info.clone() if return_info else info  # (a scratch view)
         capped_somewhere = bool(status & CAPPED)
         if return_info and eps is None:
             eps = _constant_temperature(x, epsilon)

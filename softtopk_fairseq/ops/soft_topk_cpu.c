@@ -312,8 +312,8 @@ static void free_workspace(workspace *w) {
 /* Run fn(r, scratch, ctx) for every row over `threads` OpenMP threads, each with its own scratch. Rows differ
  * in their number of iterations: they are handed out dynamically, in chunks big enough that many short rows
  * do not queue on the scheduler, small enough that a few long rows spread. Returns OUT_OF_MEMORY when a
- * thread could not allocate its scratch (its rows are then not done), else 0. Every thread takes part in the loop either way:
- * a worksharing loop must be met by the whole team. */
+ * thread could not allocate its scratch (its rows are then not done), else 0. Every thread takes part in the loop either
+ * way: a worksharing loop must be met by the whole team. Small batches stay on the calling thread. */
 typedef void (*row_fn)(int64_t r, workspace *w, const void *ctx);
 
 /* Subnormal floats flushed to zero in the kernels' own threads while they run (FTZ and DAZ on x86; restored on
@@ -341,8 +341,11 @@ static inline void restore_subnormals(subnormals_off s) {
 #endif
 }
 
+#define PARALLEL_MIN_WORK 4096  /* rows x n below this run on the calling thread: waking a team costs more */
+
 static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn, const void *ctx) {
     int failed = 0;
+    if (rows * (n > 0 ? n : 1) < PARALLEL_MIN_WORK || rows < 2) threads = 1;
     int chunk = (int)(rows / (8 * (int64_t)threads));
     chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
 #pragma omp parallel num_threads(threads)
