@@ -15,6 +15,21 @@ if not _has_cuda:
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _global_state_restored():
+    """What a test changes in process-wide state is put back after it: torch's thread count (a benchmark helper
+    sets it) and the relaxations registered (a GPU diagnostic registers its own), so that no test sees another's."""
+    import torch
+
+    from softtopk_fairseq.modules import relaxations
+
+    threads, registered = torch.get_num_threads(), dict(relaxations._REGISTRY)
+    yield
+    torch.set_num_threads(threads)
+    relaxations._REGISTRY.clear()
+    relaxations._REGISTRY.update(registered)
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO_ROOT

@@ -264,23 +264,31 @@ def per_seed_tests(found: dict) -> List[str]:
     return lines
 
 
+def wall_seconds(row: dict) -> float:
+    """A run's training wall time: every start's, first to last log line, added up (a resumed run has several);
+    rows written before the ledger kept each start's have only the last start's, ``train_s``."""
+    return float(sum(row["train_s_starts"])) if row.get("train_s_starts") else float(row["train_s"])
+
+
 def convergence_table(pairs: List[Pair], stage: str, arms, patience: Dict[str, int]) -> List[str]:
-    """Epochs to convergence per run (every run of ``stage`` and arm, keys shown): the best validation's epoch and
-    the epoch early stopping ended at."""
-    lines = ["| arm | pair | best epoch / stopped at, per seed | converged |", "|---|---|---|---|"]
+    """Epochs to convergence per run (every run of ``stage`` and arm, keys shown): the best validation's epoch,
+    the epoch early stopping ended at, and the training's wall hours (2 CPU cores, other work beside it)."""
+    lines = ["| arm | pair | best epoch / stopped at, per seed | training hours, per seed | converged |",
+             "|---|---|---|---|---|"]
     for arm in arms:
         for pair in pairs:
             keys = arm_keys(pair, stage, arm)
             if not keys:
                 continue
-            cells = []
+            cells, hours = [], []
             for seed, key in keys.items():
                 row = pair.rows[key]
                 best = max(row["val_curve"], key=lambda p: (p["bleu"], p["updates"])) if row["val_curve"] else None
                 cells.append(f"s{seed} {best['epoch'] if best else '-'} / {row['epochs']}")
+                hours.append(f"s{seed} {wall_seconds(row) / 3600:.1f}")
             converged = sum(bool(pair.rows[k]["converged"]) for k in keys.values())
             lines.append(f"| {ARM_NAMES.get(arm, arm)} (patience {patience.get(arm, 5)}) | "
-                         f"{pair.name} | {', '.join(cells)} | {converged}/{len(keys)} |")
+                         f"{pair.name} | {', '.join(cells)} | {', '.join(hours)} | {converged}/{len(keys)} |")
     return lines
 
 

@@ -13,14 +13,14 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/, for tiny_models
 
-from golden.cases import CASES  # noqa: E402
+from golden.cases import CASES, computed  # noqa: E402
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("record.py: set TRITON_INTERPRET=1 (the Triton kernels run on CPU tensors)")
     found = {}
     for name, case in CASES.items():
-        results = case()
+        results = computed(case)
         print(f"{name}: {len(results)} tensors", flush=True)
         found.update(results)
     torch.save({name: value.detach().clone() for name, value in found.items()}, os.path.join(HERE, "golden.pt"))
