@@ -360,21 +360,25 @@ def test_cpu_kernels_on_hard_inputs(sorted, case):
 
 
 def test_auto_uses_the_cpu_kernels_for_float32(monkeypatch):
-    """float32 on CPU: the C kernels -- the unsorted operator without a mask through its fused fast path, with a
-    mask through the backend interface --; float64 and Sinkhorn: the PyTorch path."""
+    """float32 on CPU: the C kernels -- without a mask (and sorted, at a constant temperature) through their fused
+    fast path, with a mask or the sorted paper scaling through the backend interface --; float64 and Sinkhorn:
+    the PyTorch path."""
     calls = []
-    for name in ("forward", "unsorted_forward", "unsorted_fused_forward"):
+    names = ("forward", "unsorted_forward", "unsorted_fused_forward", "sorted_fused_forward")
+    for name in names:
         real = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = torch.randn(3, 20)
     soft_topk(x, 3, sorted=True)
+    soft_topk(x, 3, sorted=True, scaling="paper")
     soft_topk(x, 3, sorted=False)
     soft_topk(x, 3, sorted=False, mask=x > -1)
-    assert calls == ["forward", "unsorted_fused_forward", "unsorted_forward"]
+    expected = ["sorted_fused_forward", "forward", "unsorted_fused_forward", "unsorted_forward"]
+    assert calls == expected
     soft_topk(x.double(), 3, sorted=True)   # float64: the PyTorch path
-    soft_topk(x, 3, sorted=True, method="sinkhorn")
+    soft_topk(x, 3, sorted=True, method="sinkhorn", tol=0, max_iter=20)  # (tol=0: exactly max_iter, no warning)
     soft_topk(x, 3, sorted=False, backend="torch")
-    assert calls == ["forward", "unsorted_fused_forward", "unsorted_forward"]
+    assert calls == expected
 
 
 def test_cpu_backend_on_cuda_tensors_is_a_clear_error():
@@ -498,7 +502,8 @@ def test_auto_falls_back_to_torch_when_a_triton_launch_fails(monkeypatch):
         raise RuntimeError("ptxas fatal: simulated failure")
 
     monkeypatch.setattr(triton_kernels, "forward", broken)
-    monkeypatch.setattr(backends.TritonBackend, "auto_device", lambda self, x: True)  # as if x were on CUDA
+    monkeypatch.setattr(backends.TritonBackend, "auto_device", lambda self, x: True)  # as if x were on CUDA ...
+    monkeypatch.setattr(backends, "on_cpu_kernels", lambda backend: False)  # ... so not the C kernels' fast path
     monkeypatch.setattr(backends, "_disabled", {})
     x = torch.randn(3, 12, device=TRITON_DEVICE)
     with pytest.warns(RuntimeWarning, match="triton kernels are not used.*ptxas fatal: simulated failure"):
@@ -518,7 +523,8 @@ def test_missing_triton_auto_warns_and_named_backend_raises(monkeypatch):
     from softtopk_fairseq.ops import backends
 
     monkeypatch.setattr(backends.TritonBackend, "usable", lambda self: "triton is not installed (test)")
-    monkeypatch.setattr(backends.TritonBackend, "auto_device", lambda self, x: True)
+    monkeypatch.setattr(backends.TritonBackend, "auto_device", lambda self, x: True)  # as if x were on CUDA ...
+    monkeypatch.setattr(backends, "on_cpu_kernels", lambda backend: False)  # ... so not the C kernels' fast path
     monkeypatch.setattr(backends, "_disabled", {})
     x = torch.randn(2, 9, device=TRITON_DEVICE)
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
@@ -638,17 +644,20 @@ def test_the_common_unsorted_call_on_cpu_allocates_its_output_and_gradient_only(
     assert _allocations(forward_backward) == sorted([x.nbytes, x.nbytes, *temperature])
 
 
-def test_the_common_unsorted_call_on_cpu_matches_the_general_path_bit_for_bit():
+@pytest.mark.parametrize("sorted", [False, True])
+def test_the_common_call_on_cpu_matches_the_general_path_bit_for_bit(sorted):
     """The thin path (defaults for tol and max_iter, scores contiguous and selected along their last dimension)
-    and the general one (here: the same tolerance spelled out, or the scores transposed) compute the same bits,
-    forward and backward, and report the same refusals."""
+    and the general ones (the same tolerance spelled out; the scores transposed; the backend interface, which a
+    mask of all True takes) compute the same bits, forward and backward, and report the same refusals."""
     from softtopk_fairseq import defaults
 
-    x, w = torch.randn(4, 7, 40), torch.randn(4, 7, 40)
+    x = torch.randn(4, 7, 40)
+    w = torch.randn(4, 7, 40, 3) if sorted else torch.randn(4, 7, 40)
     results = []
-    for call in (lambda s: soft_topk(s, 3, epsilon=0.2),
-                 lambda s: soft_topk(s, 3, epsilon=0.2, tol=defaults.TOL_FLOAT32),
-                 lambda s: soft_topk(s.transpose(1, 2), 3, epsilon=0.2, dim=1).transpose(1, 2)):
+    for call in (lambda s: soft_topk(s, 3, epsilon=0.2, sorted=sorted),
+                 lambda s: soft_topk(s, 3, epsilon=0.2, sorted=sorted, tol=defaults.TOL_FLOAT32),
+                 lambda s: soft_topk(s.transpose(1, 2), 3, epsilon=0.2, sorted=sorted, dim=1).transpose(1, 2),
+                 lambda s: soft_topk(s, 3, epsilon=0.2, sorted=sorted, mask=torch.ones_like(s, dtype=torch.bool))):
         xg = x.detach().requires_grad_()
         out = call(xg)
         out.backward(w)
@@ -658,6 +667,6 @@ def test_the_common_unsorted_call_on_cpu_matches_the_general_path_bit_for_bit():
     bad = x.clone()
     bad[1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        soft_topk(bad, 3, epsilon=0.2)
+        soft_topk(bad, 3, epsilon=0.2, sorted=sorted)
     with pytest.raises(ValueError, match="k must be in"):
-        soft_topk(x, 41, epsilon=0.2)
+        soft_topk(x, 41, epsilon=0.2, sorted=sorted)

@@ -492,10 +492,10 @@ def use_backend(name: str):
         _default.name = previous
 
 
-def unsorted_on_cpu(backend: str) -> bool:
+def on_cpu_kernels(backend: str) -> bool:
     """Whether a call with ``backend`` (already :func:`resolve`-d) on float32 CPU scores runs on the C kernels --
     named, or ``auto`` while they build and have not failed -- so that the operator may take its fused fast path
-    there (``soft_topk._UnsortedOnCpu``)."""
+    there (``soft_topk._OnCpu``)."""
     if backend == "cpu" or (backend == "auto" and CPU not in _disabled):
         return CPU.usable() is None
     return False

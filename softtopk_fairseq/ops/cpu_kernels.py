@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from softtopk_fairseq.ops.kernel_interface import OUT_OF_MEMORY, STATUS_BITS, ensure_contiguous, temperature_outputs
-from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
+from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, MAX_HALVINGS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soft_topk_cpu.c")
@@ -93,7 +93,7 @@ def _build() -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.soft_topk_sorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, i32, f32, f32, p, p, i32]
     lib.soft_topk_sorted_forward.restype = ctypes.c_int
-    lib.soft_topk_sorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
+    lib.soft_topk_sorted_backward.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, f32, i32]
     lib.soft_topk_sorted_backward.restype = ctypes.c_int
     lib.soft_topk_unsorted_forward.argtypes = [p, p, p, f32, p, p, i64, i64, i32, f64, i32, f32, f32, p, p, i32]
     lib.soft_topk_unsorted_forward.restype = ctypes.c_int
@@ -139,7 +139,7 @@ def paper_temperature(x, mask, anchor_top, epsilon):
 
 
 @ensure_contiguous
-def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8):
+def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_HALVINGS):
     """The sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask`` (rows, n)
     bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top, epsilon)``, the
     paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info (rows, 2), status --
@@ -180,7 +180,7 @@ def backward(out, grad_out, x, mask, eps, k, eps_grad):
     grad_eps = torch.empty((rows,), dtype=torch.float32) if eps_grad else None
     _check(out, grad_out, x, mask, eps)
     _raise_if_out_of_memory(library().soft_topk_sorted_backward(
-        _ptr(out), _ptr(grad_out), _ptr(mask), _ptr(x), _ptr(eps), _ptr(grad), _ptr(grad_eps), rows, n, k,
+        _ptr(out), _ptr(grad_out), _ptr(mask), _ptr(x), _ptr(eps), _ptr(grad), _ptr(grad_eps), rows, n, k, 0.0,
         torch.get_num_threads()))
     return grad, grad_eps
 
@@ -245,6 +245,31 @@ def unsorted_fused_backward(out, grad_out, x, eps, epsilon, at, slope):
     _raise_if_out_of_memory(library().soft_topk_unsorted_backward(
         out.data_ptr(), grad_out.data_ptr(), None, _ptr(eps), _ptr(x), grad.data_ptr(), None, out.numel() // n, n,
         epsilon, _ptr(at), _ptr(slope), torch.get_num_threads()))
+    return grad
+
+
+def sorted_fused_forward(x, k, epsilon, bound, tol, max_iter):
+    """The sorted forward for the operator's fast path: :func:`unsorted_fused_forward`'s arguments and results
+    (the output ``x.shape + (k,)``) at the temperature ``epsilon`` for every row (no paper scaling)."""
+    n = x.shape[-1]
+    rows = x.numel() // n
+    out = torch.empty((*x.shape, k), dtype=torch.float32)
+    info = _info_scratch(rows)
+    status = library().soft_topk_sorted_forward(
+        x.data_ptr(), None, None, bound, out.data_ptr(), info.data_ptr(), rows, n, k, tol, max_iter, MAX_HALVINGS,
+        0.0, epsilon, None, None, torch.get_num_threads())
+    _raise_if_out_of_memory(status)
+    return out, status, info[:rows], None, None, None
+
+
+def sorted_fused_backward(out, grad_out, x, epsilon):
+    """dL/dx (x's shape) for :func:`sorted_fused_forward`'s output ``out`` at the temperature ``epsilon``; tensors
+    contiguous, float32, on CPU."""
+    n, k = x.shape[-1], out.shape[-1]
+    grad = torch.empty_like(x)
+    _raise_if_out_of_memory(library().soft_topk_sorted_backward(
+        out.data_ptr(), grad_out.data_ptr(), None, x.data_ptr(), None, grad.data_ptr(), None, x.numel() // n, n, k,
+        epsilon, torch.get_num_threads()))
     return grad
 
 

@@ -172,62 +172,71 @@ class _SoftTopKEager(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
-class _UnsortedOnCpu(torch.autograd.Function):
-    """The unsorted operator on float32 CPU scores without a mask (``largest``, checked, Newton): one C call each
-    way (``cpu_kernels.unsorted_fused_forward`` / ``_backward``) with nothing else around it -- the work that
-    :class:`_SoftTopKEager` does through the backend interface (checks, the paper scaling's temperature, the solve;
-    dL/dx with the temperature's share) without its tensor operations and per-row temperature tensor, for the
-    most common call, whose time on small problems is otherwise mostly Python and dispatch. Returns the output
-    and (status bits, info, eps) of the forward (:func:`_unsorted_on_cpu`)."""
+class _OnCpu(torch.autograd.Function):
+    """The operator on float32 CPU scores without a mask (``largest``, checked, Newton; sorted only at a constant
+    temperature): one C call each way (``cpu_kernels.unsorted_fused_forward`` / ``sorted_fused_forward`` and their
+    backwards) with nothing else around it -- the work that :class:`_SoftTopKEager` does through the backend
+    interface (checks, the paper scaling's temperature, the solve; dL/dx with the temperature's share) without its
+    tensor operations and per-row temperature tensor, for the most common calls, whose time on small problems is
+    otherwise mostly Python and dispatch. Returns the output and (status bits, info, eps) of the forward
+    (:func:`_on_cpu`)."""
 
     @staticmethod
-    def forward(ctx, x, k, epsilon, paper, tol, max_iter):
-        out, status, info, eps, at, slope = _unsorted_forward(x, k, epsilon, paper, tol, max_iter)
+    def forward(ctx, x, k, sorted, epsilon, paper, tol, max_iter):
+        out, status, info, eps, at, slope = _forward_on_cpu(x, k, sorted, epsilon, paper, tol, max_iter)
         if paper:
             ctx.save_for_backward(out, x, eps, at, slope)
         else:
-            ctx.save_for_backward(out)
-        ctx.epsilon = epsilon
+            ctx.save_for_backward(out, x if sorted else None)
+        ctx.epsilon, ctx.sorted = epsilon, sorted
         return out, (status, info, eps)  # (a Python object: autograd passes it through untracked)
 
     @staticmethod
     def backward(ctx, grad_out, grad_report):
         saved = ctx.saved_tensors
-        out, x, eps, at, slope = saved if len(saved) == 5 else (saved[0], None, None, None, None)
-        grad = cpu_kernels.unsorted_fused_backward(out, grad_out.contiguous(), x, eps, ctx.epsilon, at, slope)
-        return grad, None, None, None, None, None
+        if ctx.sorted:
+            grad = cpu_kernels.sorted_fused_backward(saved[0], grad_out.contiguous(), saved[1], ctx.epsilon)
+        else:
+            out, x, eps, at, slope = saved if len(saved) == 5 else (saved[0], None, None, None, None)
+            grad = cpu_kernels.unsorted_fused_backward(out, grad_out.contiguous(), x, eps, ctx.epsilon, at, slope)
+        return grad, None, None, None, None, None, None
 
 
-def _unsorted_forward(x, k, epsilon, paper, tol, max_iter):
-    out, status, info, eps, at, slope = cpu_kernels.unsorted_fused_forward(
-        x, k, epsilon, (1.0, epsilon) if paper else None, backends.score_bound(torch.float32, k), tol, max_iter)
-    if status & REFUSED:
-        backends.CPU.raise_for_status(status)
-    return out, status, info, eps, at, slope
+def _forward_on_cpu(x, k, sorted, epsilon, paper, tol, max_iter):
+    bound = backends.score_bound(torch.float32, k)
+    if sorted:
+        result = cpu_kernels.sorted_fused_forward(x, k, epsilon, bound, tol, max_iter)
+    else:
+        result = cpu_kernels.unsorted_fused_forward(x, k, epsilon, (1.0, epsilon) if paper else None, bound, tol,
+                                                    max_iter)
+    if result[1] & REFUSED:
+        backends.CPU.raise_for_status(result[1])
+    return result
 
 
-def _unsorted_on_cpu(x: Tensor, k: int, epsilon: float, paper: bool, tol: float, max_iter: int):
-    """The unsorted operator on contiguous float32 CPU scores ``x`` (any shape; selected along the last
-    dimension) by the C kernels (:class:`_UnsortedOnCpu`; without autograd when no gradient is asked for):
-    (out, status, info, eps) -- info (rows, 2) a view of this thread's scratch (``cpu_kernels``), read at once;
-    eps the paper scaling's temperatures, else None."""
+def _on_cpu(x: Tensor, k: int, sorted: bool, epsilon: float, paper: bool, tol: float, max_iter: int):
+    """The operator on contiguous float32 CPU scores ``x`` (any shape; selected along the last dimension) by the
+    C kernels (:class:`_OnCpu`; without autograd when no gradient is asked for): (out, status, info, eps) --
+    info (rows, 2) a view of this thread's scratch (``cpu_kernels``), read at once; eps the paper scaling's
+    temperatures, else None. ``paper`` only unsorted."""
     if x.requires_grad and torch.is_grad_enabled():
-        out, (status, info, eps) = _UnsortedOnCpu.apply(x, k, epsilon, paper, tol, max_iter)
+        out, (status, info, eps) = _OnCpu.apply(x, k, sorted, epsilon, paper, tol, max_iter)
         return out, status, info, eps
-    out, status, info, eps, _, _ = _unsorted_forward(x, k, epsilon, paper, tol, max_iter)
+    out, status, info, eps, _, _ = _forward_on_cpu(x, k, sorted, epsilon, paper, tol, max_iter)
     return out, status, info, eps
 
 
-def _takes_unsorted_cpu_path(scores, k, dim, epsilon, scaling, backend) -> bool:
-    """Whether a call to :func:`soft_topk` that is unsorted, unmasked, ``largest``, checked, by Newton, at the
-    default tolerance and without info, runs as it is on the C kernels (:func:`_unsorted_on_cpu`): valid
-    arguments (anything else takes the general path, which checks them and says what is wrong), float32
-    contiguous CPU scores selected along their last dimension, the kernels built, not under torch.compile."""
+def _takes_cpu_path(scores, k, dim, epsilon, sorted, scaling, backend) -> bool:
+    """Whether a call to :func:`soft_topk` that is unmasked, ``largest``, checked, by Newton, at the default
+    tolerance and without info, runs as it is on the C kernels (:func:`_on_cpu`): valid arguments (anything else
+    takes the general path, which checks them and says what is wrong), float32 contiguous CPU scores selected
+    along their last dimension, the paper scaling only unsorted, the kernels built, not under torch.compile."""
     return (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.is_cpu
             and scores.dim() > 0 and (dim == -1 or dim == scores.dim() - 1) and type(k) is int
             and 0 < k <= scores.shape[-1] and type(epsilon) in (float, int) and 0 < epsilon < math.inf
-            and scaling in SCALINGS and scores.is_contiguous() and scores.numel() > 0
-            and backends.unsorted_on_cpu(backends.resolve(backend)) and not torch.compiler.is_compiling())
+            and (scaling == "none" or (scaling == "paper" and not sorted)) and scores.is_contiguous()
+            and scores.numel() > 0 and backends.on_cpu_kernels(backends.resolve(backend))
+            and not torch.compiler.is_compiling())
 
 
 _PLAIN_TENSORS = (Tensor, nn.Parameter)
@@ -418,12 +427,12 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
-    if (mask is None and not sorted and largest and check_errors and not return_info and method == "newton"
-            and tol is None and max_iter is None and backend in _FAST_BACKENDS
-            and _takes_unsorted_cpu_path(scores, k, dim, epsilon, scaling, backend)):
-        # the most common call, as thin as the hard top-k's: one C call each way
-        out, status, info, _ = _unsorted_on_cpu(scores, k, float(epsilon), scaling == "paper",
-                                                defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
+    if (mask is None and largest and check_errors and not return_info and method == "newton" and tol is None
+            and max_iter is None and backend in _FAST_BACKENDS
+            and _takes_cpu_path(scores, k, dim, epsilon, sorted, scaling, backend)):
+        # the most common calls, as thin as the hard top-k's: one C call each way
+        out, status, info, _ = _on_cpu(scores, k, bool(sorted), float(epsilon), scaling == "paper",
+                                       defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
         if status & CAPPED:
             _warn_if_capped(info, defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
         return out
@@ -451,10 +460,10 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
         out, info = _soft_topk_op(x, row_mask, eps, k, sorted, float(tol), int(max_iter), method, backend,
                                   bool(check_errors))
         eps = eps.detach()
-    elif (not sorted and row_mask is None and largest and check_errors and method == "newton"
-          and x.dtype == torch.float32 and x.device.type == "cpu" and backends.unsorted_on_cpu(backend)):
-        out, status, info, eps = _unsorted_on_cpu(x if x.is_contiguous() else x.contiguous(), k, float(epsilon),
-                                                  scaling == "paper", float(tol), int(max_iter))
+    elif ((not sorted or scaling == "none") and row_mask is None and largest and check_errors and method == "newton"
+          and x.dtype == torch.float32 and x.device.type == "cpu" and backends.on_cpu_kernels(backend)):
+        out, status, info, eps = _on_cpu(x if x.is_contiguous() else x.contiguous(), k, bool(sorted), float(epsilon),
+                                         scaling == "paper", float(tol), int(max_iter))
         info = info.clone() if return_info else info  # (a scratch view)
         capped_somewhere = bool(status & CAPPED)
         if return_info and eps is None:

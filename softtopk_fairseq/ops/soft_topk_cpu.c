@@ -16,7 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE__)
+#if defined(__AVX__)
+#include <immintrin.h>
+#elif defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
@@ -66,10 +68,19 @@ static inline float exp_nonpos(float x) {
  * aliasing. */
 _Static_assert(PAD == 16, "lane_total is written for 16 lanes");
 static inline float lane_total(const float *lanes) {
+#if defined(__AVX__)
+    /* the same additions in the same order, in six vector instructions (gcc spells the tree out lane by lane:
+     * four times as many, and short rows do one reduction per anchor pair per evaluation) */
+    __m256 h8 = _mm256_add_ps(_mm256_loadu_ps(lanes), _mm256_loadu_ps(lanes + 8));
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));  /* h4[0] + h4[2], h4[1] + h4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+#else
     float h8[8], h4[4];
     for (int q = 0; q < 8; q++) h8[q] = lanes[q] + lanes[q + 8];
     for (int q = 0; q < 4; q++) h4[q] = h8[q] + h8[q + 4];
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+#endif
 }
 
 /* Plan block: pl[l * BLOCK + j] = P_{start+j, l} for the ma active anchors; zero for masked elements
@@ -239,10 +250,13 @@ static void forward_row(const float *x, const uint8_t *valid, int64_t n, float c
     float *tz_t = tz + mp, *dtz = tz + 2 * mp;
     memcpy(tz, tz0, sizeof(float) * mp);
     double err = evaluate(u, wv, n, tz, ma, mp, c, s, ppt, w);
+    /* whether w->pl holds the plan at tz: then a row of one block (most attention rows) has its output */
+    int plan_at_tz = 1;
     /* Second starting point (thresholds shifted by log c), kept if it fits the masses better. */
     if (err > SECOND_START_ERROR) {
         for (int l = 0; l < mp; l++) tz_t[l] = tz[l] + shift[l];
         double err2 = evaluate(u, wv, n, tz_t, ma, mp, c, s_t, ppt_t, w);
+        plan_at_tz = err2 < err;
         if (err2 < err) {
             err = err2;
             memcpy(tz, tz_t, sizeof(float) * mp);
@@ -263,6 +277,7 @@ static void forward_row(const float *x, const uint8_t *valid, int64_t n, float c
         for (int tries = 0; tries < max_halvings; tries++) {
             for (int l = 0; l < mp; l++) tz_t[l] = tz[l] + (float)alpha * dtz[l];
             double err_t = evaluate(u, wv, n, tz_t, ma, mp, c, s_t, ppt_t, w);
+            plan_at_tz = err_t < err || err_t <= tol;
             if (err_t < err || err_t <= tol) {
                 err = err_t;
                 memcpy(tz, tz_t, sizeof(float) * mp);
@@ -282,7 +297,8 @@ static void forward_row(const float *x, const uint8_t *valid, int64_t n, float c
     info[1] = (float)err;
     for (int64_t start = 0; start < n; start += BLOCK) {
         int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
-        plan_block(u + start, wv + start, (int)padded(nb), tz, ma, w->pl, w->zmax, w->inv);
+        if (!(plan_at_tz && padded(n) <= BLOCK))  /* (evaluate's one block is this one: same call) */
+            plan_block(u + start, wv + start, (int)padded(nb), tz, ma, w->pl, w->zmax, w->inv);
         float *o = out + start * k;
         for (int j = 0; j < nb; j++)
             for (int l = 0; l < k; l++) o[j * k + l] = l < ma ? w->pl[l * BLOCK + j] : 0.0f;
@@ -371,22 +387,35 @@ static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn
 /* Plan block rebuilt from the sorted output (rest column = 1 - taken where rest_on) and the upstream gradient,
  * both anchors-first: pl[l * BLOCK + j], g[l * BLOCK + j], for the mp anchors; zero where the score x is -inf
  * or the mask false, and where the plan is at or below PLAN_FLOOR (the clamped forward's floor). */
-static void output_block(const float *out, const float *gout, const float *x, const uint8_t *mask, int nb, int k,
-                         int rest_on, int mp, float *pl, float *g) {
-    for (int l = 0; l < mp; l++) {  /* zero up to the padded length: accumulate reads whole PAD lanes */
-        memset(pl + l * BLOCK, 0, sizeof(float) * padded(nb));
-        memset(g + l * BLOCK, 0, sizeof(float) * padded(nb));
-    }
-    for (int j = 0; j < nb; j++) {
-        if (!valid_at(x, mask, j)) continue;
-        float sum = 0.0f;
-        for (int l = 0; l < k; l++) {
-            float p = out[j * k + l];
-            pl[l * BLOCK + j] = p > PLAN_FLOOR_F ? p : 0.0f;
-            g[l * BLOCK + j] = gout[j * k + l];
-            sum += p;
+static void output_block(const float *restrict out, const float *restrict gout, const float *x, const uint8_t *mask,
+                         int nb, int k, int rest_on, int mp, float *restrict pl, float *restrict g) {
+    int np = (int)padded(nb);
+    int keep[BLOCK];
+    float taken[BLOCK];
+    for (int j = 0; j < nb; j++) { keep[j] = valid_at(x, mask, j); taken[j] = 0.0f; }
+    /* rank by rank, in vector loops (the ranks sit k floats apart; an excluded entry's lanes are zeroed) */
+    for (int l = 0; l < k; l++) {
+        float *restrict pr = pl + l * BLOCK, *restrict gr = g + l * BLOCK;
+#pragma omp simd
+        for (int j = 0; j < nb; j++) {
+            float p = out[j * k + l], q = gout[j * k + l];
+            taken[j] += p;
+            pr[j] = keep[j] & (p > PLAN_FLOOR_F) ? p : 0.0f;
+            gr[j] = keep[j] ? q : 0.0f;
         }
-        if (rest_on) pl[k * BLOCK + j] = 1.0f - sum > PLAN_FLOOR_F ? 1.0f - sum : 0.0f;
+        for (int j = nb; j < np; j++) { pr[j] = 0.0f; gr[j] = 0.0f; }
+    }
+    for (int l = k; l < mp; l++) {
+        float *restrict pr = pl + l * BLOCK, *restrict gr = g + l * BLOCK;
+        for (int j = 0; j < np; j++) { pr[j] = 0.0f; gr[j] = 0.0f; }
+    }
+    if (rest_on && k < mp) {
+        float *restrict pr = pl + k * BLOCK;
+#pragma omp simd
+        for (int j = 0; j < nb; j++) {
+            float rest = 1.0f - taken[j];
+            pr[j] = keep[j] & (rest > PLAN_FLOOR_F) ? rest : 0.0f;
+        }
     }
 }
 
@@ -420,8 +449,9 @@ static void backward_row(const float *out, const float *gout, const float *x, co
     const float inv_eps = 1.0f / eps;
     for (int64_t start = 0; start < n; start += BLOCK) {
         int nb = (int)(n - start < BLOCK ? n - start : BLOCK);
-        output_block(out + start * k, gout + start * k, x + start, mask ? mask + start : NULL, nb, k, rest_on, mp,
-                     w->pl, w->g);
+        if (n > BLOCK)  /* (a row of one block still has it from the first pass) */
+            output_block(out + start * k, gout + start * k, x + start, mask ? mask + start : NULL, nb, k, rest_on,
+                         mp, w->pl, w->g);
         for (int j = 0; j < nb; j++) ybar[j] = 0.0f;
         for (int l = 0; l < mp; l++)
             for (int j = 0; j < nb; j++) ybar[j] += w->pl[l * BLOCK + j] * y[l];
@@ -473,6 +503,7 @@ typedef struct {
     float *grad, *grad_eps;
     int64_t n;
     int k;
+    float epsilon;  /* every row's temperature when eps is NULL */
 } sorted_backward_args;
 
 static void sorted_backward_task(int64_t r, workspace *w, const void *ctx) {
@@ -485,21 +516,23 @@ static void sorted_backward_task(int64_t r, workspace *w, const void *ctx) {
     for (int64_t j = 0; j < n; j++) n_valid += valid_at(x, mask, j);
     /* the active anchors (solvers.anchor_targets): the ranks with a valid entry each, and the rest if any */
     int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
-    backward_row(a->out + r * n * k, a->gout + r * n * k, x, mask, n, k, a->y, ma, n_valid > k, a->eps[r], k + 1,
+    float eps = a->eps ? a->eps[r] : a->epsilon;
+    backward_row(a->out + r * n * k, a->gout + r * n * k, x, mask, n, k, a->y, ma, n_valid > k, eps, k + 1,
                  a->grad + r * n, w);
-    if (a->grad_eps) a->grad_eps[r] = temperature_grad_row(a->grad + r * n, x, mask, n, a->eps[r]);
+    if (a->grad_eps) a->grad_eps[r] = temperature_grad_row(a->grad + r * n, x, mask, n, eps);
 }
 
 /* dL/dx of the sorted operator from its output (rows, n, k), the upstream gradient like it, the raw scores x and
- * the caller's mask (or NULL) of the forward and its temperature; dL/deps too unless grad_eps is NULL. Returns
- * OUT_OF_MEMORY when scratch memory could not be allocated, else 0. */
+ * the caller's mask (or NULL) of the forward and its temperature eps (rows,) -- or, eps NULL, epsilon for every
+ * row; dL/deps too unless grad_eps is NULL. Returns OUT_OF_MEMORY when scratch memory could not be allocated,
+ * else 0. */
 int soft_topk_sorted_backward(const float *out, const float *gout, const uint8_t *mask, const float *x,
                               const float *eps, float *grad, float *grad_eps, int64_t rows, int64_t n, int k,
-                              int threads) {
+                              float epsilon, int threads) {
     float *y = malloc(sizeof(float) * (k + 1));
     if (!y) return OUT_OF_MEMORY;
     for (int l = 0; l <= k; l++) y[l] = (float)(k - l) - 0.5f * (float)k;  /* solvers.centred_anchors */
-    sorted_backward_args a = {out, gout, x, eps, y, mask, grad, grad_eps, n, k};
+    sorted_backward_args a = {out, gout, x, eps, y, mask, grad, grad_eps, n, k, epsilon};
     int failed = parallel_rows(rows, n, k + 1, threads, sorted_backward_task, &a);
     free(y);
     return failed;

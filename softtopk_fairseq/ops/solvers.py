@@ -54,6 +54,8 @@ LOGIT_CLAMP = 64.0
 # a gradient of order 1e-28 / eps where the forward is flat (320 at eps = 1e-30). Elsewhere it changes the
 # gradient by less than 1e-27 / eps.
 PLAN_FLOOR = 2.0 * math.exp(-LOGIT_CLAMP)
+# Halvings of a damped Newton step tried before the row stops (see newton_semi_dual).
+MAX_HALVINGS = 8
 # Marginal error of the hard-assignment start above which the log-c shifted start is tried too.
 SECOND_START_ERROR = 0.05
 # Ridge added to the Newton system, in units of the dtype's machine epsilon times the largest anchor mass.
@@ -322,7 +324,7 @@ def _damped_step(problem: _Problem, t: Tensor, p: Tensor, s: Tensor, err: Tensor
 
 
 def newton_semi_dual(u: Tensor, valid: Tensor, c: Tensor, tol: float, max_iter: int,
-                     max_halvings: int = 8, top: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     max_halvings: int = MAX_HALVINGS, top: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Damped Newton on the semi-dual. Returns ``(P, info)``: P (rows, m, n), info (rows, 2) =
     iterations, marginal error.
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from softtopk_fairseq.ops.kernel_interface import REFUSAL_BITS, ensure_contiguous, temperature_outputs
-from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
+from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, MAX_HALVINGS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
 # float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
@@ -597,7 +597,8 @@ def warps_for(block: int, mp: int) -> int:
 
 
 @ensure_contiguous
-def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=8, block=None, num_warps=None):
+def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_HALVINGS, block=None,
+            num_warps=None):
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
     (rows, n) bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top,
     epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info
