@@ -16,7 +16,9 @@ class HostReads(TorchDispatchMode):
         self.count = self.from_host = self.operations = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
+        # a read: a value read back, or a copy to the host (``.to("cpu", copy=True)``, issued on CPU tensors too)
+        self.count += func in self.READS or (func is torch.ops.aten._to_copy.default
+                                             and str((kwargs or {}).get("device")) == "cpu")
         self.from_host += func is torch.ops.aten.lift_fresh.default
         self.operations += not getattr(func, "is_view", False)
         return func(*args, **(kwargs or {}))

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from softtopk_fairseq.ops import BadScoresError, cpu_kernels, soft_topk
 
@@ -153,9 +154,10 @@ def test_bad_scores_raise_the_same_error_on_every_backend(backend, sorted):
     assert bool(torch.isfinite(out).all()) and float(out[1, 2].abs().sum()) == 0.0
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "torch"])
+@pytest.mark.parametrize("backend, row", [  # the C unsorted forward: a row of a group of 16, and one alone
+    pytest.param("triton", 1, marks=BACKENDS[0].marks),  # (Triton: one program per row, either way)
+    ("cpu", 1), ("cpu", 32), ("torch", 1), ("torch", 32)])
 @pytest.mark.parametrize("sorted", [False, True])
-@pytest.mark.parametrize("row", [1, 32])  # the C unsorted forward: a row of a group of 16, and one alone
 def test_scores_too_large_for_the_paper_scaling_raise_instead_of_nan(backend, sorted, row):
     """Past |x| ~ 1.8e19 the paper scaling's temperature overflows float32 (the cost squares the scores): it is
     +inf, every normalised score 0 -- the limit, a uniform output, as at 1e30 --, unless the row's range itself
@@ -586,8 +588,10 @@ def test_topk_attention_model_on_the_fused_backend_matches_the_torch_path(backen
     calls = []
     real = backends.select
     monkeypatch.setattr(backends, "select", lambda *a: (lambda impl: calls.append(impl.name) or impl)(real(*a)))
-    fused = cpu_kernels.unsorted_fused_forward  # the C kernels' fast path (unsorted, no mask): no select
+    fused = cpu_kernels.unsorted_fused_forward  # the C kernels' thin path (unsorted, no mask): no select
     monkeypatch.setattr(cpu_kernels, "unsorted_fused_forward", lambda *a: calls.append("cpu") or fused(*a))
+    thin = backends.TritonBackend.thin_forward  # the Triton kernels' thin path: no select either
+    monkeypatch.setattr(backends.TritonBackend, "thin_forward", lambda self, *a: calls.append("triton") or thin(self, *a))
     d = dictionary(12)
     device = _device(backend)
     ni = {k: v.to(device) for k, v in batch(d)["net_input"].items()}
@@ -670,3 +674,82 @@ def test_the_common_call_on_cpu_matches_the_general_path_bit_for_bit(sorted):
         soft_topk(bad, 3, epsilon=0.2, sorted=sorted)
     with pytest.raises(ValueError, match="k must be in"):
         soft_topk(x, 41, epsilon=0.2, sorted=sorted)
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the Triton kernels launched (each kernel object of ``triton_kernels`` wrapped) and records every
+    torch operation issued outside them (the interpreter's own tensor work inside a launch is not the caller's)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        from softtopk_fairseq.ops import triton_kernels
+
+        self.launches, self.operations, self._inside = [], [], False
+        for name in dir(triton_kernels):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(triton_kernels, name, self._counted(name, getattr(triton_kernels, name)))
+
+    def _counted(self, name, kernel):
+        mode = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    mode.launches.append(name)
+                    mode._inside = True
+                    try:
+                        return kernel[grid](*args, **kwargs)
+                    finally:
+                        mode._inside = False
+                return launch
+
+        return Counted()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside:
+            self.operations.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def take(self):
+        taken = self.launches[:], self.operations[:]
+        self.launches.clear()
+        self.operations.clear()
+        return taken
+
+
+# Operations that launch nothing on a device: allocations and views (metadata only).
+_NO_LAUNCH = {"empty", "view", "select", "detach", "alias", "_unsafe_view", "as_strided"}
+
+
+@pytest.mark.parametrize("check_errors", [True, False])
+@pytest.mark.parametrize("scaling", ["none", "paper"])
+@pytest.mark.parametrize("sorted", [False, True])
+def test_the_triton_call_is_one_launch_each_way(sorted, scaling, check_errors, monkeypatch):
+    """The Triton kernels' thin path: forward one launch (checks, temperature, centre, start, solve), backward one
+    launch (the paper scaling's share of the gradient included), and around them only the outputs' allocations
+    and views -- no fill, no reduction, no element-wise kernel; checked, one copy of the rows' status to the
+    host, unchecked nothing read back. Counted on CPU tensors under the interpreter: on a GPU each counted
+    operation would be a launch."""
+    if not _triton_usable():
+        pytest.skip("no triton runtime")
+    from host_reads import HostReads
+
+    x = torch.randn(4, 6, 40).requires_grad_()  # (any batch shape: selected along the last dimension)
+    grad = torch.randn(4, 6, 40, 3) if sorted else torch.randn(4, 6, 40)
+    with _Launches(monkeypatch) as mode, HostReads() as reads:
+        out = soft_topk(x, 3, epsilon=0.5, sorted=sorted, scaling=scaling, check_errors=check_errors,
+                        backend="triton")
+        forward = mode.take()
+        out.backward(grad)
+        backward = mode.take()
+    kind = "forward" if sorted else "unsorted_forward"
+    assert forward[0] == [f"soft_topk_{kind}_kernel"], forward
+    assert backward[0] == [f"soft_topk_{kind.replace('forward', 'backward')}_kernel"], backward
+    copies = forward[1].count("_to_copy")
+    assert copies == reads.count == (1 if check_errors else 0)
+    assert set(forward[1]) - {"_to_copy"} <= _NO_LAUNCH and set(backward[1]) <= _NO_LAUNCH, (forward, backward)
+    alone = x.detach().requires_grad_()
+    expected = soft_topk(alone, 3, epsilon=0.5, sorted=sorted, scaling=scaling, backend="torch")
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x.grad, alone.grad, atol=1e-4, rtol=1e-3)

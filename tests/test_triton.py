@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from softtopk_fairseq.ops import triton_kernels as tk
-from softtopk_fairseq.ops.kernel_interface import REFUSAL_BITS
+from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSAL_BITS
 from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
@@ -24,29 +24,39 @@ FWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64
        "out_ptr": "*fp32", "info_ptr": "*fp32", "status_ptr": "*i32", "n": "i32", "k": "i32", "bound": "fp32",
        "tol": "fp32", "max_iter": "i32", "max_halvings": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
 BWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32",
-       "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32", "k": "i32"}
+       "at_ptr": "*i64", "slope_ptr": "*fp32", "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32", "k": "i32",
+       "epsilon": "fp32"}
 UFWD = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
         "out_ptr": "*fp32", "info_ptr": "*fp32", "status_ptr": "*i32", "n": "i32", "k": "i32", "bound": "fp32",
         "tol": "fp32", "max_iter": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
 UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32",
-        "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32"}
+        "at_ptr": "*i64", "slope_ptr": "*fp32", "grad_ptr": "*fp32", "grad_eps_ptr": "*fp32", "n": "i32",
+        "epsilon": "fp32"}
 TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
         "n": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
-STATUS = {"SATURATION": SATURATION, **REFUSAL_BITS}
-KERNELS = (  # kernel, signature, its flag (or None), constexprs
-    (tk.soft_topk_forward_kernel, FWD, "PAPER", {**KERNEL_CONSTANTS, **STATUS, "MP": 8}),
-    (tk.soft_topk_backward_kernel, BWD, "EPS_GRAD", {**BACKWARD_KERNEL_CONSTANTS, "MP": 8}),
-    (tk.soft_topk_unsorted_forward_kernel, UFWD, "PAPER", {**UNSORTED_KERNEL_CONSTANTS, **STATUS}),
-    (tk.soft_topk_unsorted_backward_kernel, UBWD, "EPS_GRAD", {}),
-    (tk.paper_temperature_kernel, TEMP, None, {}))
+STATUS = {"SATURATION": SATURATION, "CAPPED": CAPPED, **REFUSAL_BITS}
+# Each kernel's variants: the mask, and where the temperature comes from (per row, one number, the paper
+# scaling's) -- in the backward with or without dL/deps, stored or added to dL/dx.
+FORWARDS = ({"HAS_MASK": True, "PAPER": True, "EPS_PER_ROW": False},
+            {"HAS_MASK": False, "PAPER": False, "EPS_PER_ROW": True},
+            {"HAS_MASK": False, "PAPER": False, "EPS_PER_ROW": False})
+BACKWARDS = ({"HAS_MASK": True, "EPS_PER_ROW": True, "EPS_GRAD": True, "PAPER": False},
+             {"HAS_MASK": False, "EPS_PER_ROW": False, "EPS_GRAD": True, "PAPER": True},
+             {"HAS_MASK": False, "EPS_PER_ROW": False, "EPS_GRAD": False, "PAPER": False})
+KERNELS = (  # kernel, signature, variants, constexprs
+    (tk.soft_topk_forward_kernel, FWD, FORWARDS, {**KERNEL_CONSTANTS, **STATUS, "MP": 8}),
+    (tk.soft_topk_backward_kernel, BWD, BACKWARDS, {**BACKWARD_KERNEL_CONSTANTS, "MP": 8}),
+    (tk.soft_topk_unsorted_forward_kernel, UFWD, FORWARDS, {**UNSORTED_KERNEL_CONSTANTS, **STATUS}),
+    (tk.soft_topk_unsorted_backward_kernel, UBWD, BACKWARDS, {}),
+    (tk.paper_temperature_kernel, TEMP, ({"HAS_MASK": True}, {"HAS_MASK": False}), {}))
 for arch in map(int, sys.argv[1:]):
-    for fn, sig, flag, extra in KERNELS:
-        for has_mask, on in ((True, True), (False, False)):
-            consts = {"HAS_MASK": has_mask, "BLOCK_N": 256, **extra, **({flag: on} if flag else {})}
+    for fn, sig, variants, extra in KERNELS:
+        for variant in variants:
+            consts = {"BLOCK_N": 256, **extra, **variant}
             signature = dict(sig, **{name: "constexpr" for name in consts})
             triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32))
-            print("compiled", fn.__name__, arch, has_mask, on)
+            print("compiled", fn.__name__, arch, variant)
 """
 
 
@@ -54,7 +64,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", COMPILE, "80", "90"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count("compiled") == 20
+    assert out.stdout.count("compiled") == 2 * (4 * 3 + 2)
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error():

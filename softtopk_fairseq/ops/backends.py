@@ -281,6 +281,29 @@ class FusedBackend(Backend):
     def _launch(self, fn, *args):
         return fn(*args)
 
+    # The operator's thin path (soft_topk._Fused): the most common calls -- contiguous float32 scores of any
+    # shape, selected along the last dimension, no mask, ``largest`` -- one launch each way with nothing around it.
+
+    def thin_forward(self, x: Tensor, k: int, sorted: bool, epsilon: float, paper: bool, tol: float,
+                     max_iter: int):
+        """(out, status, info (rows, 2), eps, at, slope): the output (``x.shape``, ``+ (k,)`` sorted), the
+        status as the kernels report it (:meth:`status_bits` reads it), and with ``paper`` the paper scaling's
+        per-row temperature, else None for all three (every row's is ``epsilon``)."""
+        raise NotImplementedError
+
+    def thin_backward(self, out: Tensor, grad_out: Tensor, x: Optional[Tensor], k: int, sorted: bool,
+                      epsilon: float, eps: Optional[Tensor], at: Optional[Tensor], slope: Optional[Tensor]) -> Tensor:
+        """dL/dx for :meth:`thin_forward`'s output, the paper scaling's share included (``at``/``slope``)."""
+        raise NotImplementedError
+
+    def thin_saves_scores(self, sorted: bool, paper: bool) -> bool:
+        """Whether :meth:`thin_backward` reads the scores."""
+        return True
+
+    def status_bits(self, status) -> int:
+        """A forward's status as one int of ``kernel_interface.STATUS_BITS`` (on a device: one value read)."""
+        return int(status)
+
 
 class CpuBackend(FusedBackend):
     """The C kernels (``soft_topk_cpu.c``), compiled on first use; CPU tensors. Their forwards report bad scores
@@ -303,7 +326,22 @@ class CpuBackend(FusedBackend):
         return x.device.type == "cpu"
 
     def raise_for_status(self, status):
-        _raise_for_status(status)
+        raise_for_status_bits(status)
+
+    def thin_forward(self, x, k, sorted, epsilon, paper, tol, max_iter):
+        bound = score_bound(torch.float32, k)
+        if sorted:  # (the paper scaling sorted takes the general path)
+            return cpu_kernels.sorted_fused_forward(x, k, epsilon, bound, tol, max_iter)
+        return cpu_kernels.unsorted_fused_forward(x, k, epsilon, (top_anchor(k, False), epsilon) if paper else None,
+                                                  bound, tol, max_iter)
+
+    def thin_backward(self, out, grad_out, x, k, sorted, epsilon, eps, at, slope):
+        if sorted:
+            return cpu_kernels.sorted_fused_backward(out, grad_out, x, epsilon)
+        return cpu_kernels.unsorted_fused_backward(out, grad_out, x, eps, epsilon, at, slope)
+
+    def thin_saves_scores(self, sorted, paper):
+        return sorted or paper  # (the unsorted gradient at a constant temperature needs only the output)
 
     def refusing(self, status, result, x, mask, eps, again):
         if not status & REFUSED:  # (CAPPED: the op reads the iteration counts itself)
@@ -348,11 +386,34 @@ class TritonBackend(FusedBackend):
     def refused_gradients(self, out, grads):
         return grads  # the backward kernels write NaN where the output is NaN
 
-    def _launch(self, fn, *args):
+    def _launch(self, fn, *args, **kwargs):
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except Exception as e:  # compilation (ptxas, out of resources) or driver errors
             raise KernelError(f"the Triton kernel {fn.__name__} failed: {type(e).__name__}: {e}") from e
+
+    def thin_forward(self, x, k, sorted, epsilon, paper, tol, max_iter):
+        n = x.shape[-1]
+        launch = self.kernels.forward if sorted else self.kernels.unsorted_forward
+        out, info, status, eps, at, slope = self._launch(
+            launch, x.view(-1, n), None, None if paper else epsilon, k, score_bound(torch.float32, k), tol, max_iter,
+            (top_anchor(k, sorted), epsilon) if paper else None)
+        return (out.view(*x.shape, k) if sorted else out.view(x.shape), status, info, eps if paper else None, at,
+                slope)
+
+    def thin_backward(self, out, grad_out, x, k, sorted, epsilon, eps, at, slope):
+        n = x.shape[-1]
+        shape = (-1, n, k) if sorted else (-1, n)
+        launch = self.kernels.backward if sorted else self.kernels.unsorted_backward
+        grad, _ = self._launch(launch, out.view(shape), grad_out.view(shape), x.view(-1, n), None,
+                               epsilon if eps is None else eps, k, False, at=at, slope=slope)
+        return grad.view(x.shape)
+
+    def status_bits(self, status):
+        # One copy to the host (a synchronisation, no kernel; a copy on CPU tensors too, so that it can be
+        # counted there), the rows' bits OR-ed on the host.
+        import numpy
+        return int(numpy.bitwise_or.reduce(status.to("cpu", copy=True).numpy())) if status.numel() else 0
 
 
 def valid_entries(x: Tensor, mask: Optional[Tensor]) -> Tensor:
@@ -399,7 +460,7 @@ def score_bound(dtype: torch.dtype, k: int) -> float:
     return torch.finfo(dtype).max / (8.0 * (k + 2))
 
 
-def _raise_for_status(status: int) -> None:
+def raise_for_status_bits(status: int) -> None:
     """A fused forward's report (``kernel_interface.BAD_NAN`` / ``BAD_INF`` / ``BAD_SCALE`` bits)."""
     if status & BAD_NAN:
         raise BadScoresError(NAN_SCORES)
@@ -410,9 +471,9 @@ def _raise_for_status(status: int) -> None:
 
 
 def _raise_for_row_status(status: Tensor) -> None:
-    """:func:`_raise_for_status` on per-row status bits; one synchronisation unless some row is bad."""
+    """:func:`raise_for_status_bits` on per-row status bits; one synchronisation unless some row is bad."""
     if bool(status.any()):
-        _raise_for_status(sum(int((status & bit).amax()) for bit in (BAD_NAN, BAD_INF, BAD_SCALE)))
+        raise_for_status_bits(sum(int((status & bit).amax()) for bit in (BAD_NAN, BAD_INF, BAD_SCALE)))
 
 
 def _check_scores(x: Tensor, top: Tensor, all_valid: bool, eps: Tensor, valid: Tensor) -> None:
@@ -492,10 +553,22 @@ def use_backend(name: str):
         _default.name = previous
 
 
+def thin_route(x: Tensor, backend: str) -> Optional[FusedBackend]:
+    """The fused backend that runs a call with ``backend`` (already :func:`resolve`-d) on float32 scores like
+    ``x`` on the operator's thin path (``soft_topk._Fused``), or None: the C kernels as :func:`on_cpu_kernels`
+    says; the Triton kernels when named (where they run) or, under ``auto``, for CUDA tensors while they have
+    not failed. Anything else -- and every error -- takes the general path, which says what is wrong."""
+    if x.is_cpu and on_cpu_kernels(backend):
+        return CPU
+    if backend == "triton" or (backend == "auto" and x.is_cuda and TRITON not in _disabled):
+        return TRITON if TRITON.runs_on(x) is None and TRITON.usable() is None else None
+    return None
+
+
 def on_cpu_kernels(backend: str) -> bool:
     """Whether a call with ``backend`` (already :func:`resolve`-d) on float32 CPU scores runs on the C kernels --
     named, or ``auto`` while they build and have not failed -- so that the operator may take its fused fast path
-    there (``soft_topk._OnCpu``)."""
+    there (``soft_topk._Fused``)."""
     if backend == "cpu" or (backend == "auto" and CPU not in _disabled):
         return CPU.usable() is None
     return False

@@ -48,7 +48,6 @@ from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSED
 METHODS = ("newton", "sinkhorn")
 BACKENDS = backends.NAMES
 SCALINGS = ("none", "paper")
-_FAST_BACKENDS = ("auto", "cpu")
 DEFAULT_TOL = {torch.float32: defaults.TOL_FLOAT32, torch.float64: defaults.TOL_FLOAT64}
 
 
@@ -172,71 +171,68 @@ class _SoftTopKEager(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
-class _OnCpu(torch.autograd.Function):
-    """The operator on float32 CPU scores without a mask (``largest``, checked, Newton; sorted only at a constant
-    temperature): one C call each way (``cpu_kernels.unsorted_fused_forward`` / ``sorted_fused_forward`` and their
-    backwards) with nothing else around it -- the work that :class:`_SoftTopKEager` does through the backend
-    interface (checks, the paper scaling's temperature, the solve; dL/dx with the temperature's share) without its
-    tensor operations and per-row temperature tensor, for the most common calls, whose time on small problems is
-    otherwise mostly Python and dispatch. Returns the output and (status bits, info, eps) of the forward
-    (:func:`_on_cpu`)."""
+class _Fused(torch.autograd.Function):
+    """The operator's thin path: float32 scores without a mask (``largest``, by Newton), one fused launch each way
+    (``backends.FusedBackend.thin_forward`` / ``thin_backward``: the C kernels, or the Triton kernels) with nothing
+    around it -- the work that :class:`_SoftTopKEager` does through the backend interface (checks, the paper
+    scaling's temperature, the solve; dL/dx with the temperature's share) without its tensor operations and
+    per-row temperature tensor, for the most common calls, whose time on small problems is otherwise mostly
+    Python, dispatch and (on a GPU) launches. Returns the output and (status bits, info, eps) of the forward
+    (:func:`_fused`)."""
 
     @staticmethod
-    def forward(ctx, x, k, sorted, epsilon, paper, tol, max_iter):
-        out, status, info, eps, at, slope = _forward_on_cpu(x, k, sorted, epsilon, paper, tol, max_iter)
-        if paper:
-            ctx.save_for_backward(out, x, eps, at, slope)
-        else:
-            ctx.save_for_backward(out, x if sorted else None)
-        ctx.epsilon, ctx.sorted = epsilon, sorted
-        return out, (status, info, eps)  # (a Python object: autograd passes it through untracked)
+    def forward(ctx, x, k, sorted, epsilon, paper, tol, max_iter, impl, check_errors):
+        out, bits, info, eps, at, slope = _fused_forward(impl, x, k, sorted, epsilon, paper, tol, max_iter,
+                                                         check_errors)
+        ctx.save_for_backward(out, x if impl.thin_saves_scores(sorted, paper) else None, eps, at, slope)
+        ctx.k, ctx.sorted, ctx.epsilon, ctx.impl = k, sorted, epsilon, impl
+        return out, (bits, info, eps)  # (a Python object: autograd passes it through untracked)
 
     @staticmethod
     def backward(ctx, grad_out, grad_report):
-        saved = ctx.saved_tensors
-        if ctx.sorted:
-            grad = cpu_kernels.sorted_fused_backward(saved[0], grad_out.contiguous(), saved[1], ctx.epsilon)
-        else:
-            out, x, eps, at, slope = saved if len(saved) == 5 else (saved[0], None, None, None, None)
-            grad = cpu_kernels.unsorted_fused_backward(out, grad_out.contiguous(), x, eps, ctx.epsilon, at, slope)
-        return grad, None, None, None, None, None, None
+        out, x, eps, at, slope = ctx.saved_tensors
+        grad = ctx.impl.thin_backward(out, grad_out.contiguous(), x, ctx.k, ctx.sorted, ctx.epsilon, eps, at, slope)
+        return grad, None, None, None, None, None, None, None, None
 
 
-def _forward_on_cpu(x, k, sorted, epsilon, paper, tol, max_iter):
-    bound = backends.score_bound(torch.float32, k)
-    if sorted:
-        result = cpu_kernels.sorted_fused_forward(x, k, epsilon, bound, tol, max_iter)
-    else:
-        result = cpu_kernels.unsorted_fused_forward(x, k, epsilon, (1.0, epsilon) if paper else None, bound, tol,
-                                                    max_iter)
-    if result[1] & REFUSED:
-        backends.CPU.raise_for_status(result[1])
-    return result
+def _fused_forward(impl, x, k, sorted, epsilon, paper, tol, max_iter, check_errors):
+    """``impl.thin_forward`` and its status read as bits (with ``check_errors`` only: on a device, the one value
+    read back); refused scores raise."""
+    out, status, info, eps, at, slope = impl.thin_forward(x, k, sorted, epsilon, paper, tol, max_iter)
+    bits = impl.status_bits(status) if check_errors else 0
+    if bits & REFUSED:
+        backends.raise_for_status_bits(bits)
+    return out, bits, info, eps, at, slope
 
 
-def _on_cpu(x: Tensor, k: int, sorted: bool, epsilon: float, paper: bool, tol: float, max_iter: int):
-    """The operator on contiguous float32 CPU scores ``x`` (any shape; selected along the last dimension) by the
-    C kernels (:class:`_OnCpu`; without autograd when no gradient is asked for): (out, status, info, eps) --
-    info (rows, 2) a view of this thread's scratch (``cpu_kernels``), read at once; eps the paper scaling's
-    temperatures, else None. ``paper`` only unsorted."""
+def _fused(impl: backends.FusedBackend, x: Tensor, k: int, sorted: bool, epsilon: float, paper: bool, tol: float,
+           max_iter: int, check_errors: bool = True):
+    """The operator on contiguous float32 scores ``x`` (any shape; selected along the last dimension) on the thin
+    path of ``impl`` (:class:`_Fused`; without autograd when no gradient is asked for): (out, status bits, info,
+    eps) -- the bits 0 without ``check_errors``; info (rows, 2), on CPU a view of this thread's scratch, read at
+    once; eps the paper scaling's temperatures, else None."""
     if x.requires_grad and torch.is_grad_enabled():
-        out, (status, info, eps) = _OnCpu.apply(x, k, sorted, epsilon, paper, tol, max_iter)
-        return out, status, info, eps
-    out, status, info, eps, _, _ = _forward_on_cpu(x, k, sorted, epsilon, paper, tol, max_iter)
-    return out, status, info, eps
+        out, (bits, info, eps) = _Fused.apply(x, k, sorted, epsilon, paper, tol, max_iter, impl, check_errors)
+        return out, bits, info, eps
+    out, bits, info, eps, _, _ = _fused_forward(impl, x, k, sorted, epsilon, paper, tol, max_iter, check_errors)
+    return out, bits, info, eps
 
 
-def _takes_cpu_path(scores, k, dim, epsilon, sorted, scaling, backend) -> bool:
-    """Whether a call to :func:`soft_topk` that is unmasked, ``largest``, checked, by Newton, at the default
-    tolerance and without info, runs as it is on the C kernels (:func:`_on_cpu`): valid arguments (anything else
-    takes the general path, which checks them and says what is wrong), float32 contiguous CPU scores selected
-    along their last dimension, the paper scaling only unsorted, the kernels built, not under torch.compile."""
-    return (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.is_cpu
-            and scores.dim() > 0 and (dim == -1 or dim == scores.dim() - 1) and type(k) is int
-            and 0 < k <= scores.shape[-1] and type(epsilon) in (float, int) and 0 < epsilon < math.inf
-            and (scaling == "none" or (scaling == "paper" and not sorted)) and scores.is_contiguous()
-            and scores.numel() > 0 and backends.on_cpu_kernels(backends.resolve(backend))
-            and not torch.compiler.is_compiling())
+def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors) -> Optional[backends.FusedBackend]:
+    """The fused backend that runs a call to :func:`soft_topk` -- unmasked, ``largest``, by Newton, at the default
+    tolerance and without info -- as it is (:func:`_fused`), or None: valid arguments (anything else takes the
+    general path, which checks them and says what is wrong), float32 contiguous scores selected along their last
+    dimension, not under torch.compile, and a backend with a thin path for them (``backends.thin_route``; on CPU
+    with ``check_errors`` and the paper scaling only unsorted)."""
+    if not (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.dim() > 0
+            and (dim == -1 or dim == scores.dim() - 1) and type(k) is int and 0 < k <= scores.shape[-1]
+            and type(epsilon) in (float, int) and 0 < epsilon < math.inf and scaling in ("none", "paper")
+            and scores.is_contiguous() and scores.numel() > 0 and not torch.compiler.is_compiling()):
+        return None
+    impl = backends.thin_route(scores, backends.resolve(backend))
+    if impl is backends.CPU and not (check_errors and (scaling == "none" or not sorted)):
+        return None
+    return impl
 
 
 _PLAIN_TENSORS = (Tensor, nn.Parameter)
@@ -427,15 +423,20 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
-    if (mask is None and largest and check_errors and not return_info and method == "newton" and tol is None
-            and max_iter is None and backend in _FAST_BACKENDS
-            and _takes_cpu_path(scores, k, dim, epsilon, sorted, scaling, backend)):
-        # the most common calls, as thin as the hard top-k's: one C call each way
-        out, status, info, _ = _on_cpu(scores, k, bool(sorted), float(epsilon), scaling == "paper",
-                                       defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
-        if status & CAPPED:
-            _warn_if_capped(info, defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
-        return out
+    impl = (_thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors)
+            if mask is None and largest and not return_info and method == "newton" and tol is None
+            and max_iter is None and backend in backends.NAMES else None)
+    if impl is not None:  # the most common calls, as thin as the hard top-k's: one launch each way
+        try:
+            out, bits, info, _ = _fused(impl, scores, k, bool(sorted), float(epsilon), scaling == "paper",
+                                        defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"], check_errors)
+            if bits & CAPPED:
+                _warn_if_capped(info, defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
+            return out
+        except backends.KernelError as e:  # a Triton launch failed: under "auto", the general path falls back
+            if backends.resolve(backend) != "auto":
+                raise
+            backends.fall_back(impl, str(e))
     _validate(scores, k, epsilon, scaling, method, backend, mask, dim)
     dim = dim % scores.dim()
     in_dtype = scores.dtype
@@ -462,10 +463,10 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
         eps = eps.detach()
     elif ((not sorted or scaling == "none") and row_mask is None and largest and check_errors and method == "newton"
           and x.dtype == torch.float32 and x.device.type == "cpu" and backends.on_cpu_kernels(backend)):
-        out, status, info, eps = _on_cpu(x if x.is_contiguous() else x.contiguous(), k, bool(sorted), float(epsilon),
-                                         scaling == "paper", float(tol), int(max_iter))
+        out, bits, info, eps = _fused(backends.CPU, x if x.is_contiguous() else x.contiguous(), k, bool(sorted),
+                                      float(epsilon), scaling == "paper", float(tol), int(max_iter))
         info = info.clone() if return_info else info  # (a scratch view)
-        capped_somewhere = bool(status & CAPPED)
+        capped_somewhere = bool(bits & CAPPED)
         if return_info and eps is None:
             eps = _constant_temperature(x, epsilon)
     else:

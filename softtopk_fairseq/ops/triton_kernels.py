@@ -36,13 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
-from softtopk_fairseq.ops.kernel_interface import REFUSAL_BITS, ensure_contiguous, temperature_outputs
+from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSAL_BITS, ensure_contiguous, temperature_outputs
 from softtopk_fairseq.ops.solvers import (BACKWARD_KERNEL_CONSTANTS, KERNEL_CONSTANTS, MAX_HALVINGS, SATURATION,
                                           UNSORTED_KERNEL_CONSTANTS)
 
 # float32's machine epsilon (torch.finfo(torch.float32).eps), for the ridge and the hard boundary's margin.
 FLT_EPS = tl.constexpr(1.1920928955078125e-07)
 FLT_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float: a floor for divisors
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest float
 
 
 @triton.jit
@@ -191,10 +192,11 @@ def _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon):
 
 @triton.jit
 def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row, n, anchor_top, epsilon,
-                          HAS_MASK: tl.constexpr, PAPER: tl.constexpr, BLOCK_N: tl.constexpr, BAD_NAN: tl.constexpr,
-                          BAD_INF: tl.constexpr, BAD_SCALE: tl.constexpr):
+                          HAS_MASK: tl.constexpr, PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
+                          BAD_SCALE: tl.constexpr):
     """A forward's first pass over its row (:func:`_row_scan`): with ``PAPER`` the paper scaling's temperature
-    (stores eps, at, slope), else reads eps; stores the row's status bits (``kernel_interface.REFUSAL_BITS``: a NaN, +inf
+    (stores eps, at, slope), else reads eps (``EPS_PER_ROW``) or takes ``epsilon`` for every row; stores the row's status bits (``kernel_interface.REFUSAL_BITS``: a NaN, +inf
     on a valid entry, an infinite temperature with a range of scores that overflows); returns (n_valid, status,
     the largest and the smallest valid score, eps)."""
     n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
@@ -203,12 +205,35 @@ def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_p
         tl.store(eps_ptr + row, eps)
         tl.store(at_ptr + row, at.to(tl.int64))
         tl.store(slope_ptr + row, slope)
-    else:
+    elif EPS_PER_ROW:
         eps = tl.load(eps_ptr + row)
+    else:
+        eps = epsilon
     bad_scale = ~(eps < float("inf")) & ((hi - lo) == float("inf"))
     status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0) | tl.where(bad_scale, BAD_SCALE, 0)
     tl.store(status_ptr + row, status)
     return n_valid, status, hi, lo, eps
+
+
+@triton.jit
+def _store_capped(status_ptr, row, status, it, err, tol, max_iter, CAPPED: tl.constexpr):
+    """Add ``CAPPED`` to the row's status when it stopped at max_iter above ``tol`` (never with tol 0, which asks
+    for exactly max_iter iterations): one read of the status tells the caller whether to look at the info."""
+    capped = (tol > 0) & (it >= max_iter) & (err > tol)
+    tl.store(status_ptr + row, status | tl.where(capped, CAPPED, 0))
+
+
+@triton.jit
+def _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps):
+    """The paper scaling's share of dL/dx (implicit_backward.paper_temperature_grad): the temperature depends on
+    one entry of the row, ``at``, with derivative ``slope`` (clamped to the float range: 0 * inf is 0 there),
+    added to what this program stored there."""
+    at = tl.load(at_ptr + row)
+    slope = tl.load(slope_ptr + row)
+    share = grad_eps * tl.minimum(tl.maximum(slope, -FLT_MAX), FLT_MAX)
+    tl.debug_barrier()  # the row's gradient, stored by every thread of the program, before one of them reads it
+    ptr = grad_ptr + row * n + at
+    tl.store(ptr, tl.load(ptr) + share)
 
 
 @triton.jit
@@ -238,20 +263,21 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
 @triton.jit
 def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr, n, k,
                              bound, tol, max_iter, max_halvings, anchor_top, epsilon,
-                             HAS_MASK: tl.constexpr, PAPER: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
-                             LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
+                             HAS_MASK: tl.constexpr, PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr,
+                             MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
                              SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr,
                              SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
-                             BAD_SCALE: tl.constexpr):
+                             BAD_SCALE: tl.constexpr, CAPPED: tl.constexpr):
     """The sorted operator of one row from its raw scores: ``backends.Backend.solve``'s preparation, then
     ``solvers.newton_semi_dual``. ``valid_ptr``: the caller's bool mask (``HAS_MASK``); ``-inf`` is excluded
     in any case. ``PAPER``: the temperature is the paper scaling's (written to eps/at/slope), else read from
-    ``eps_ptr``."""
+    ``eps_ptr`` (``EPS_PER_ROW``) or ``epsilon``. The row's status bits: the refusals, and ``CAPPED`` when it
+    stopped at max_iter above ``tol``."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
     n_valid, status, _, _, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row,
-                                                       n, anchor_top, epsilon, HAS_MASK, PAPER, BLOCK_N, BAD_NAN,
-                                                       BAD_INF, BAD_SCALE)
+                                                       n, anchor_top, epsilon, HAS_MASK, PAPER, EPS_PER_ROW, BLOCK_N,
+                                                       BAD_NAN, BAD_INF, BAD_SCALE)
     # Anchors 0..k-1 (ranks) hold 1 each while there are valid entries for them; anchor k the other n - k.
     c = tl.where(lane < k, (lane < n_valid).to(tl.float32), 0.0)
     c = tl.where(lane == k, tl.maximum(n_valid - k, 0).to(tl.float32), c)
@@ -308,6 +334,7 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
         going = (err > tol) & (accepted == 1)  # no halved step helped: the row's rounding floor
     tl.store(info_ptr + row * 2, it.to(tl.float32))
     tl.store(info_ptr + row * 2 + 1, err)
+    _store_capped(status_ptr, row, status, it, err, tol, max_iter, CAPPED)
     for start in range(0, n, BLOCK_N):
         p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
                        LOGIT_CLAMP)
@@ -336,11 +363,14 @@ def _output_tile(out_ptr, g_ptr, x_ptr, valid_ptr, row, n, k, start, rest_on, HA
 
 
 @triton.jit
-def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n, k,
-                              HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, MP: tl.constexpr,
-                              BLOCK_N: tl.constexpr, RIDGE_ULPS: tl.constexpr, PLAN_FLOOR: tl.constexpr):
+def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, grad_ptr, grad_eps_ptr, n,
+                              k, epsilon, HAS_MASK: tl.constexpr, EPS_PER_ROW: tl.constexpr, EPS_GRAD: tl.constexpr,
+                              PAPER: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                              RIDGE_ULPS: tl.constexpr, PLAN_FLOOR: tl.constexpr):
     """dL/dx of the sorted operator from its output (implicit_backward.implicit_grad, divided by eps), and with
-    ``EPS_GRAD`` dL/deps (implicit_backward.temperature_grad), for one row."""
+    ``EPS_GRAD`` dL/deps (implicit_backward.temperature_grad), for one row: stored, or with ``PAPER`` added to
+    dL/dx as the paper scaling's temperature passes it on (:func:`_add_temperature_share`). The temperature:
+    ``eps_ptr``'s (``EPS_PER_ROW``) or ``epsilon``."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
     n_valid = tl.zeros((), dtype=tl.int32)
@@ -366,7 +396,10 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_pt
         s += tl.sum(p, axis=0)
         ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
     w = _solve_free(s, ppt, v, m_act, MP, RIDGE_ULPS)
-    eps = tl.load(eps_ptr + row)
+    if EPS_PER_ROW:
+        eps = tl.load(eps_ptr + row)
+    else:
+        eps = epsilon
     x_mean = x_sum / tl.maximum(n_valid, 1).to(tl.float32)
     moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
     for start in range(0, n, BLOCK_N):
@@ -379,7 +412,11 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_pt
         if EPS_GRAD:
             moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
     if EPS_GRAD:
-        tl.store(grad_eps_ptr + row, tl.where(nans == 0, -moment / eps, float("nan")))
+        grad_eps = tl.where(nans == 0, -moment / eps, float("nan"))
+        if PAPER:
+            _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps)
+        else:
+            tl.store(grad_eps_ptr + row, grad_eps)
 
 
 @triton.jit
@@ -462,18 +499,21 @@ def _kth_largest(x_ptr, valid_ptr, row, n, kk, HAS_MASK: tl.constexpr, BLOCK_N: 
 @triton.jit
 def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr,
                                       n, k, bound, tol, max_iter, anchor_top, epsilon, HAS_MASK: tl.constexpr,
-                                      PAPER: tl.constexpr, BLOCK_N: tl.constexpr, LOG_STEP_FRACTION: tl.constexpr,
-                                      SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
-                                      BAD_SCALE: tl.constexpr):
+                                      PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      LOG_STEP_FRACTION: tl.constexpr, SATURATION: tl.constexpr,
+                                      BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr, BAD_SCALE: tl.constexpr,
+                                      CAPPED: tl.constexpr):
     """The unsorted operator of one row from its raw scores (soft_topk_cpu.c's unsorted forward): the checks,
-    the temperature (``PAPER``: the paper scaling's, written to eps/at/slope; else read from ``eps_ptr``), the
+    the temperature (``PAPER``: the paper scaling's, written to eps/at/slope; else read from ``eps_ptr``, with
+    ``EPS_PER_ROW``, or ``epsilon``), the
     centre x_(k), the hard-assignment start (solvers.unsorted_start), then solvers.newton_sigmoid_root:
     safeguarded Newton on f(tau) = sum_i sigmoid(u_i - tau) - k inside [u_min + shift, u_max + shift], in log
     space from the tail."""
     row = tl.program_id(0)
     n_valid, status, top0, lowest, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr,
                                                                status_ptr, row, n, anchor_top, epsilon, HAS_MASK,
-                                                               PAPER, BLOCK_N, BAD_NAN, BAD_INF, BAD_SCALE)
+                                                               PAPER, EPS_PER_ROW, BLOCK_N, BAD_NAN, BAD_INF,
+                                                               BAD_SCALE)
     # The centre x_(k) (the smallest valid score when fewer than k are valid; 0 for an empty row) and the next.
     above, below = _kth_largest(x_ptr, valid_ptr, row, n, tl.maximum(tl.minimum(n_valid, k), 1), HAS_MASK, BLOCK_N)
     centre = tl.where((n_valid > 0) & (tl.abs(above) < float("inf")), above, 0.0)
@@ -521,6 +561,7 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
         going = (err > tol) & (stuck == 0)
     tl.store(info_ptr + row * 2, it.to(tl.float32))
     tl.store(info_ptr + row * 2 + 1, err)
+    _store_capped(status_ptr, row, status, it, err, tol, max_iter, CAPPED)
     for start in range(0, n, BLOCK_N):
         u, keep = _scores_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, HAS_MASK, BLOCK_N)
         s, _ = _sigmoid_pair(u - tau)
@@ -543,10 +584,13 @@ def paper_temperature_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, n, an
 
 
 @triton.jit
-def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, grad_ptr, grad_eps_ptr, n,
-                                       HAS_MASK: tl.constexpr, EPS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr):
+def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, grad_ptr,
+                                       grad_eps_ptr, n, epsilon, HAS_MASK: tl.constexpr, EPS_PER_ROW: tl.constexpr,
+                                       EPS_GRAD: tl.constexpr, PAPER: tl.constexpr, BLOCK_N: tl.constexpr):
     """dL/dx = a_i (G_i - sum_j G_j a_j / sum_j a_j) / eps, a = A(1 - A) (implicit_backward.sigmoid_grad), over the valid
-    entries of the raw scores x; with ``EPS_GRAD`` also dL/deps (implicit_backward.temperature_grad)."""
+    entries of the raw scores x; with ``EPS_GRAD`` also dL/deps (implicit_backward.temperature_grad), stored or
+    with ``PAPER`` added to dL/dx (:func:`_add_temperature_share`). The temperature: ``eps_ptr``'s
+    (``EPS_PER_ROW``) or ``epsilon``."""
     row = tl.program_id(0)
     num = tl.zeros((), dtype=tl.float32)
     den = tl.zeros((), dtype=tl.float32)
@@ -565,7 +609,10 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr
         n_valid += tl.sum(keep.to(tl.int32), axis=0)
         x_sum += tl.sum(x, axis=0)
     mean_g = num / tl.maximum(den, FLT_TINY)
-    eps = tl.load(eps_ptr + row)
+    if EPS_PER_ROW:
+        eps = tl.load(eps_ptr + row)
+    else:
+        eps = epsilon
     x_mean = x_sum / tl.maximum(n_valid, 1).to(tl.float32)
     moment = tl.zeros((), dtype=tl.float32)  # sum_i dL/dx_i (x_i - mean x): dL/deps = -moment / eps
     for start in range(0, n, BLOCK_N):
@@ -578,7 +625,11 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr
         if EPS_GRAD:
             moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
     if EPS_GRAD:
-        tl.store(grad_eps_ptr + row, tl.where(nans == 0, -moment / eps, float("nan")))
+        grad_eps = tl.where(nans == 0, -moment / eps, float("nan"))
+        if PAPER:
+            _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps)
+        else:
+            tl.store(grad_eps_ptr + row, grad_eps)
 
 
 def padded_anchors(m: int) -> int:
@@ -596,45 +647,70 @@ def warps_for(block: int, mp: int) -> int:
     return 8 if block * mp * mp >= 16384 else 4
 
 
+def _temperature(x, eps, paper, placeholder):
+    """The temperature arguments of a forward launch: (eps, at, slope -- what :func:`temperature_outputs` returns
+    --, the tensor for ``eps_ptr``, anchor_top, epsilon, EPS_PER_ROW). ``eps``: a (rows,) tensor, a number (every
+    row's), or None with ``paper``."""
+    per_row = paper is None and isinstance(eps, torch.Tensor)
+    if paper is None and not per_row:
+        return eps, None, None, placeholder, 0.0, float(eps), False
+    eps, at, slope, anchor_top, epsilon = temperature_outputs(x, eps, paper)
+    return eps, at, slope, eps, anchor_top, epsilon, per_row
+
+
+def _backward_temperature(eps, at, slope, eps_grad, placeholder):
+    """The temperature arguments of a backward launch: (eps_ptr's tensor, epsilon, at_ptr's, slope_ptr's,
+    EPS_PER_ROW, EPS_GRAD, PAPER). ``eps`` a (rows,) tensor or a number; ``at``/``slope`` given: the paper
+    scaling's share of dL/dx added in the kernel (dL/deps is then not returned)."""
+    per_row = isinstance(eps, torch.Tensor)
+    paper = at is not None
+    return (eps if per_row else placeholder, 0.0 if per_row else float(eps), at if paper else placeholder,
+            slope if paper else placeholder, per_row, bool(eps_grad) or paper, paper)
+
+
 @ensure_contiguous
 def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_HALVINGS, block=None,
             num_warps=None):
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
-    (rows, n) bool or None, and either the per-row temperature ``eps`` (rows,) or ``paper = (anchor_top,
-    epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out (rows, n, k), info
-    (rows, 2), status (rows,) int32 -- ``kernel_interface.REFUSAL_BITS`` --, eps, at, slope); ``at`` and
-    ``slope`` are None without ``paper``. ``block``/``num_warps``: launch parameters (default:
-    :func:`block_n`, :func:`warps_for`)."""
+    (rows, n) bool or None, and the temperature: a per-row ``eps`` (rows,), one number for every row, or
+    ``paper = (anchor_top, epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out
+    (rows, n, k), info (rows, 2), status (rows,) int32 -- ``kernel_interface.REFUSAL_BITS`` and ``CAPPED`` --,
+    eps, at, slope); ``at`` and ``slope`` are None without ``paper``. ``block``/``num_warps``: launch parameters
+    (default: :func:`block_n`, :func:`warps_for`)."""
     rows, n = x.shape
     mp = padded_anchors(k + 1)
     block = block or block_n(n, mp)
     out = torch.empty((rows, n, k), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
-    eps, at, slope, anchor_top, epsilon = temperature_outputs(x, eps, paper)
+    eps, at, slope, eps_arg, anchor_top, epsilon, per_row = _temperature(x, eps, paper, info)
     soft_topk_forward_kernel[(rows,)](
-        x, mask if mask is not None else x, eps, at if at is not None else info,
+        x, mask if mask is not None else x, eps_arg, at if at is not None else info,
         slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
         int(max_halvings), float(anchor_top), float(epsilon), HAS_MASK=mask is not None, PAPER=paper is not None,
-        MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp), SATURATION=SATURATION, **REFUSAL_BITS,
-        **KERNEL_CONSTANTS)
+        EPS_PER_ROW=per_row, MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp),
+        SATURATION=SATURATION, CAPPED=CAPPED, **REFUSAL_BITS, **KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
 
 
 @ensure_contiguous
-def backward(out, grad_out, x, mask, eps, k, eps_grad, block=None, num_warps=None):
+def backward(out, grad_out, x, mask, eps, k, eps_grad, block=None, num_warps=None, at=None, slope=None):
     """Launch the sorted backward: dL/dx (rows, n) from the output ``out`` (rows, n, k), ``grad_out`` like it,
-    the raw scores ``x`` and ``mask`` of the forward and its temperature ``eps``; and dL/deps (rows,) when
-    ``eps_grad``, else None."""
+    the raw scores ``x`` and ``mask`` of the forward and its temperature ``eps`` (a tensor or a number); and
+    dL/deps (rows,) when ``eps_grad``, else None. ``at``/``slope`` (the paper scaling's, from the forward): the
+    temperature's share added to dL/dx instead, in the same launch (None returned for dL/deps)."""
     rows, n = x.shape
     mp = padded_anchors(k + 1)
     block = block or block_n(n, mp)
     grad = torch.empty((rows, n), dtype=torch.float32, device=x.device)
-    grad_eps = torch.empty((rows,), dtype=torch.float32, device=x.device) if eps_grad else None
+    eps_arg, epsilon, at_arg, slope_arg, per_row, eps_grad, paper = _backward_temperature(eps, at, slope, eps_grad,
+                                                                                          grad)
+    grad_eps = torch.empty((rows,), dtype=torch.float32, device=x.device) if eps_grad and not paper else None
     soft_topk_backward_kernel[(rows,)](
-        out, grad_out, x, mask if mask is not None else x, eps, grad, grad_eps if eps_grad else grad, n, k,
-        HAS_MASK=mask is not None, EPS_GRAD=bool(eps_grad), MP=mp, BLOCK_N=block,
-        num_warps=num_warps or warps_for(block, mp), **BACKWARD_KERNEL_CONSTANTS)
+        out, grad_out, x, mask if mask is not None else x, eps_arg, at_arg, slope_arg, grad,
+        grad_eps if grad_eps is not None else grad, n, k, epsilon, HAS_MASK=mask is not None, EPS_PER_ROW=per_row,
+        EPS_GRAD=eps_grad, PAPER=paper, MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp),
+        **BACKWARD_KERNEL_CONSTANTS)
     return grad, grad_eps
 
 
@@ -650,25 +726,29 @@ def unsorted_forward(x, mask, eps, k, bound, tol, max_iter, paper=None):
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
-    eps, at, slope, anchor_top, epsilon = temperature_outputs(x, eps, paper)
+    eps, at, slope, eps_arg, anchor_top, epsilon, per_row = _temperature(x, eps, paper, info)
     soft_topk_unsorted_forward_kernel[(rows,)](
-        x, mask if mask is not None else x, eps, at if at is not None else info, slope if slope is not None else info,
-        out, info, status, n, k, float(bound), float(tol), int(max_iter), float(anchor_top), float(epsilon),
-        HAS_MASK=mask is not None, PAPER=paper is not None, BLOCK_N=unsorted_block(n), SATURATION=SATURATION,
-        **REFUSAL_BITS, **UNSORTED_KERNEL_CONSTANTS)
+        x, mask if mask is not None else x, eps_arg, at if at is not None else info,
+        slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
+        float(anchor_top), float(epsilon), HAS_MASK=mask is not None, PAPER=paper is not None, EPS_PER_ROW=per_row,
+        BLOCK_N=unsorted_block(n), SATURATION=SATURATION, CAPPED=CAPPED, **REFUSAL_BITS,
+        **UNSORTED_KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
 
 
 @ensure_contiguous
-def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad):
+def unsorted_backward(out, grad_out, x, mask, eps, k, eps_grad, at=None, slope=None):
     """Launch the unsorted backward: the arguments and results of :func:`backward` (``k`` unused: the gradient
     does not depend on it)."""
     rows, n = x.shape
     grad = torch.empty((rows, n), dtype=torch.float32, device=x.device)
-    grad_eps = torch.empty((rows,), dtype=torch.float32, device=x.device) if eps_grad else None
+    eps_arg, epsilon, at_arg, slope_arg, per_row, eps_grad, paper = _backward_temperature(eps, at, slope, eps_grad,
+                                                                                          grad)
+    grad_eps = torch.empty((rows,), dtype=torch.float32, device=x.device) if eps_grad and not paper else None
     soft_topk_unsorted_backward_kernel[(rows,)](
-        out, grad_out, x, mask if mask is not None else x, eps, grad, grad_eps if eps_grad else grad, n,
-        HAS_MASK=mask is not None, EPS_GRAD=bool(eps_grad), BLOCK_N=unsorted_block(n))
+        out, grad_out, x, mask if mask is not None else x, eps_arg, at_arg, slope_arg, grad,
+        grad_eps if grad_eps is not None else grad, n, epsilon, HAS_MASK=mask is not None, EPS_PER_ROW=per_row,
+        EPS_GRAD=eps_grad, PAPER=paper, BLOCK_N=unsorted_block(n))
     return grad, grad_eps
 
 
