@@ -34,7 +34,7 @@ from softtopk_fairseq.ops import soft_topk  # noqa: E402
 
 # ``Tensor.tolist`` reads a CUDA tensor back through one copy (a synchronisation); on a CPU tensor it issues no
 # operation the dispatch mode would see, so HostOps counts its calls itself.
-SYNCS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default", "Tensor.tolist")
+SYNCS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default", "Tensor.tolist", "copy to the host")
 KERNEL_MODULES = ("triton_kernels.py", "cpu_kernels.py")
 
 
@@ -77,7 +77,9 @@ class HostOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frames = [f for f in traceback.extract_stack() if "softtopk_fairseq" in f.filename]
         if not (frames and frames[-1].filename.endswith(KERNEL_MODULES)):
-            self.ops[str(func)] += 1
+            # a copy to the host (``.to("cpu", copy=True)``: a synchronisation on a GPU, a copy on CPU tensors)
+            to_host = func is torch.ops.aten._to_copy.default and str((kwargs or {}).get("device")) == "cpu"
+            self.ops["copy to the host" if to_host else str(func)] += 1
             if not is_view(func):
                 where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].name}" if frames else "autograd engine"
                 self.sources[where] += 1
