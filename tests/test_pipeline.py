@@ -79,22 +79,27 @@ def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch, capsys):
     assert len(hyps) == 8
 
 
-def test_pipeline_fine_tunes_with_soft_beam_search_and_topk_attention(tmp_path):
-    cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10, topk_attn_k=2)
-    rows = run.run_pipeline(cfg)
+def _assert_fine_tuned(rows, work):
+    """The three fine-tunings of a finished run: their rows, logs, hypotheses and results."""
     assert [r["run"].split(" (")[0].split(",")[0] for r in rows] == [
         "teacher forcing", "+ 2 teacher forcing", "+ 2 soft beam search", "+ 2 teacher forcing"]
     assert [r["arch"] for r in rows] == ["transformer"] * 3 + ["transformer_topk_attn"]
     assert [r["updates"] for r in rows] == [2, 4, 4, 4]
-    logs = tmp_path / "work" / "logs"
+    logs = work / "logs"
     log = (logs / "train.ft_soft_beam.log").read_text()
     assert "soft_loss" in log and "num_updates 2" in log and "loaded checkpoint" in log.lower()
     log = (logs / "train.ft_topk_attn.log").read_text()
     assert "TopkMultiheadAttention" in log and "loaded checkpoint" in log.lower()
     for key in ("ft_tf", "ft_soft_beam", "ft_topk_attn"):
         assert len(text.read_lines(logs / key / "test.beam1.fr")) == 8
-    results = (tmp_path / "work" / "results.md").read_text()
+    results = (work / "results.md").read_text()
     assert "+ 2 soft beam search" in results and "SOFT top-k attention" in results
+
+
+@pytest.mark.slow  # (the interrupted run of the next test finishes the same fine-tunings, checked the same way)
+def test_pipeline_fine_tunes_with_soft_beam_search_and_topk_attention(tmp_path):
+    cfg = _tiny_config(tmp_path, finetune_updates=2, soft_beam_size=2, soft_beam_candidates=10, topk_attn_k=2)
+    _assert_fine_tuned(run.run_pipeline(cfg), tmp_path / "work")
 
 
 def test_pipeline_on_files_given_by_path(tmp_path):
@@ -164,7 +169,7 @@ def test_a_finished_workdir_survives_bad_commands_and_an_interrupted_run_resumes
     log = (work / "logs" / "train.ft_soft_beam.log").read_text()
     assert "ft_soft_beam/checkpoint_last.pt (epoch 1 @ 1 updates)" in log  # continued, not restarted
     assert "checkpoints/tf/checkpoint_last.pt" not in log and "num_updates 2" in log
-    assert len(rows) == 4 and (work / "results.md").exists()
+    _assert_fine_tuned(rows, work)  # the resumed run finishes every fine-tuning as an uninterrupted one
 
     finished = snapshot(work)
     with pytest.raises(SystemExit, match="missing file"):

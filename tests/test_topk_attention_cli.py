@@ -10,7 +10,10 @@ ARCH_ARGS = {arch: tiny_arch(arch) for arch in ("rnnsearch_topk_attn", "transfor
 ARCH_ARGS["transformer_topk_attn"] += ["--topk-attn-layers", "encoder-decoder,decoder-self"]
 
 
-@pytest.mark.parametrize("arch", sorted(ARCH_ARGS))
+# The transformer in the default run (its three attentions, the plot); the other two archs' command lines with
+# the slow tests -- their layers are tested in test_topk_attention.py and through the golden cases.
+@pytest.mark.parametrize("arch", [a if a == "transformer_topk_attn" else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in sorted(ARCH_ARGS)])
 def test_train_and_generate_soft_and_hard(toy_data_bin, tmp_path, arch):
     save = tmp_path / "ckpt"
     log = fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "3", *ARCH_ARGS[arch],
