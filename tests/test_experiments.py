@@ -73,16 +73,16 @@ def test_softmax_k_times_regression_compares_with_a_git_revision(tmp_path):
 
 @pytest.mark.parametrize("backends", [[], ["--backends", "triton", "torch"]])  # Triton: the interpreter here
 def test_unsorted_any_k_prints_its_table(backends, tmp_path):
-    out = script(os.path.join(EXPERIMENTS, "unsorted_any_k.py"), "--rows", "4", "--n", "300", "--ks", "5", "150",
-                 "299", "--peer-repeats", "2", "--threads", "1", *backends, "--json", tmp_path / "rows.jsonl")
+    out = script(os.path.join(EXPERIMENTS, "unsorted_any_k.py"), "--rows", "4", "--n", "120", "--ks", "5", "60",
+                 "119", "--peer-repeats", "2", "--threads", "1", *backends, "--json", tmp_path / "rows.jsonl")
     rows = table(out)
-    assert [r[0] for r in rows[1:]] == ["5", "150", "299"], out
+    assert [r[0] for r in rows[1:]] == ["5", "60", "119"], out
     converged = [c for r in rows[1:] for c, name in zip(r, rows[0]) if name.endswith("converged")]
     assert converged == ["100%"] * 6, out  # both backends, every k (k = n - 1 included)
     with open(tmp_path / "rows.jsonl") as f:
         records = [json.loads(line) for line in f]
     first = backends[1] if backends else "cpu"
-    assert {r["shape"] for r in records} == {"4x300 k 5", "4x300 k 150", "4x300 k 299"}
+    assert {r["shape"] for r in records} == {"4x120 k 5", "4x120 k 60", "4x120 k 119"}
     assert all(r["baseline"] is None if r["row"] == first else r["baseline"]["row"] == first for r in records)
 
 

@@ -165,7 +165,7 @@ def test_scores_too_large_for_the_paper_scaling_raise_instead_of_nan(backend, so
 that, the temperature's slope (epsilon x) can overflow too: the gradient stays finite."""
     warnings.simplefilter("ignore", RuntimeWarning)  # overflowing scores are the input here (pytest restores)
     torch.manual_seed(row)
-    x = torch.randn(33, 6, device=_device(backend))
+    x = torch.randn(33 if backend != "triton" else 3, 6, device=_device(backend))  # (the interpreter: few rows)
     x[row, 3] = 1e30
     xg = x.clone().requires_grad_()
     out = soft_topk(xg, 2, sorted=sorted, scaling="paper", backend=backend)
@@ -734,8 +734,8 @@ def test_the_triton_call_is_one_launch_each_way(sorted, scaling, check_errors, m
         pytest.skip("no triton runtime")
     from host_reads import HostReads
 
-    x = torch.randn(4, 6, 40).requires_grad_()  # (any batch shape: selected along the last dimension)
-    grad = torch.randn(4, 6, 40, 3) if sorted else torch.randn(4, 6, 40)
+    x = torch.randn(2, 2, 12).requires_grad_()  # (any batch shape: selected along the last dimension)
+    grad = torch.randn(2, 2, 12, 3) if sorted else torch.randn(2, 2, 12)
     with _Launches(monkeypatch) as mode, HostReads() as reads:
         out = soft_topk(x, 3, epsilon=0.5, sorted=sorted, scaling=scaling, check_errors=check_errors,
                         backend="triton")

@@ -64,7 +64,9 @@ def test_every_option_is_a_flag_with_its_config_default_shown_by_help(capsys):
     assert (old.soft_beam_epsilon, old.soft_beam_scaling) == (0.3, "none")
 
 
-@pytest.mark.parametrize("bpe,arch", [("subword_nmt", "transformer"), ("sentencepiece", "lstm")])
+# (subword-nmt with the transformer is the default configuration, which the tests below run end to end too)
+@pytest.mark.parametrize("bpe,arch", [pytest.param("subword_nmt", "transformer", marks=pytest.mark.slow),
+                                      ("sentencepiece", "lstm")])
 def test_pipeline_end_to_end_on_toy_data(tmp_path, bpe, arch, capsys):
     rows = run.run_pipeline(_tiny_config(tmp_path, bpe=bpe, arch=arch))
     out = capsys.readouterr().out
