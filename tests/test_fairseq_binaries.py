@@ -26,9 +26,11 @@ def train(data_bin, save_dir, arch, max_update):
     ).stdout
 
 
-# The transformer in the default run; the LSTM (the same allow-list and commands) with the slow tests.
-@pytest.mark.parametrize("arch", [a if a == "transformer" else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in sorted(TINY_ARCHS)])
+# With the slow tests: the default run trains, resumes (the plugin's allow-list) and generates through the same
+# command lines in test_soft_beam_cli.py (RNNsearch) and trains and generates a transformer in
+# test_topk_attention_cli.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
 def test_train_resume_generate(data_bin, tmp_path, arch):
     save_dir = tmp_path / "ckpt"
     log = train(data_bin, save_dir, arch, max_update=3)
