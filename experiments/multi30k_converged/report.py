@@ -280,15 +280,15 @@ def convergence_table(pairs: List[Pair], stage: str, arms, patience: Dict[str, i
             keys = arm_keys(pair, stage, arm)
             if not keys:
                 continue
-            cells, hours = [], []
-            for seed, key in keys.items():
+            epochs, hours = [], []
+            for key in keys.values():
                 row = pair.rows[key]
                 best = max(row["val_curve"], key=lambda p: (p["bleu"], p["updates"])) if row["val_curve"] else None
-                cells.append(f"s{seed} {best['epoch'] if best else '-'} / {row['epochs']}")
-                hours.append(f"s{seed} {wall_seconds(row) / 3600:.1f}")
+                epochs.append(f"{best['epoch'] if best else '-'} / {row['epochs']}")
+                hours.append(f"{wall_seconds(row) / 3600:.1f}")
             converged = sum(bool(pair.rows[k]["converged"]) for k in keys.values())
-            lines.append(f"| {ARM_NAMES.get(arm, arm)} (patience {patience.get(arm, 5)}) | "
-                         f"{pair.name} | {', '.join(cells)} | {', '.join(hours)} | {converged}/{len(keys)} |")
+            lines.append(f"| {ARM_NAMES.get(arm, arm)} (patience {patience.get(arm, 5)}) | {pair.name} | "
+                         f"{_seeded(list(keys), epochs)} | {_seeded(list(keys), hours)} | {converged}/{len(keys)} |")
     return lines
 
 

@@ -191,14 +191,15 @@ def _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon):
 
 
 @triton.jit
-def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row, n, anchor_top, epsilon,
+def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, row, n, anchor_top, epsilon,
                           HAS_MASK: tl.constexpr, PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr,
                           BLOCK_N: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
                           BAD_SCALE: tl.constexpr):
     """A forward's first pass over its row (:func:`_row_scan`): with ``PAPER`` the paper scaling's temperature
-    (stores eps, at, slope), else reads eps (``EPS_PER_ROW``) or takes ``epsilon`` for every row; stores the row's status bits (``kernel_interface.REFUSAL_BITS``: a NaN, +inf
-    on a valid entry, an infinite temperature with a range of scores that overflows); returns (n_valid, status,
-    the largest and the smallest valid score, eps)."""
+    (stores eps, at, slope), else reads eps (``EPS_PER_ROW``) or takes ``epsilon`` for every row; returns
+    (n_valid, status, the largest and the smallest valid score, eps) -- status: the row's refusal bits
+    (``kernel_interface.REFUSAL_BITS``: a NaN, +inf on a valid entry, an infinite temperature with a range of
+    scores that overflows), which the forward stores at its end (:func:`_store_capped`)."""
     n_valid, has_nan, has_inf, hi, lo, hi_at, lo_at = _row_scan(x_ptr, valid_ptr, row, n, HAS_MASK, BLOCK_N)
     if PAPER:
         eps, at, slope = _paper_temperature(hi, lo, hi_at, lo_at, anchor_top, epsilon)
@@ -211,14 +212,14 @@ def _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_p
         eps = epsilon
     bad_scale = ~(eps < float("inf")) & ((hi - lo) == float("inf"))
     status = tl.where(has_nan, BAD_NAN, 0) | tl.where(has_inf, BAD_INF, 0) | tl.where(bad_scale, BAD_SCALE, 0)
-    tl.store(status_ptr + row, status)
     return n_valid, status, hi, lo, eps
 
 
 @triton.jit
 def _store_capped(status_ptr, row, status, it, err, tol, max_iter, CAPPED: tl.constexpr):
-    """Add ``CAPPED`` to the row's status when it stopped at max_iter above ``tol`` (never with tol 0, which asks
-    for exactly max_iter iterations): one read of the status tells the caller whether to look at the info."""
+    """Store the row's status: its refusal bits, and ``CAPPED`` when it stopped at max_iter above ``tol`` (never
+    with tol 0, which asks for exactly max_iter iterations): one read of the status tells the caller whether to
+    look at the info."""
     capped = (tol > 0) & (it >= max_iter) & (err > tol)
     tl.store(status_ptr + row, status | tl.where(capped, CAPPED, 0))
 
@@ -275,7 +276,7 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     stopped at max_iter above ``tol``."""
     row = tl.program_id(0)
     lane = tl.arange(0, MP)
-    n_valid, status, _, _, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, status_ptr, row,
+    n_valid, status, _, _, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, row,
                                                        n, anchor_top, epsilon, HAS_MASK, PAPER, EPS_PER_ROW, BLOCK_N,
                                                        BAD_NAN, BAD_INF, BAD_SCALE)
     # Anchors 0..k-1 (ranks) hold 1 each while there are valid entries for them; anchor k the other n - k.
@@ -511,7 +512,7 @@ def soft_topk_unsorted_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_p
     space from the tail."""
     row = tl.program_id(0)
     n_valid, status, top0, lowest, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr,
-                                                               status_ptr, row, n, anchor_top, epsilon, HAS_MASK,
+                                                               row, n, anchor_top, epsilon, HAS_MASK,
                                                                PAPER, EPS_PER_ROW, BLOCK_N, BAD_NAN, BAD_INF,
                                                                BAD_SCALE)
     # The centre x_(k) (the smallest valid score when fewer than k are valid; 0 for an empty row) and the next.
