@@ -69,7 +69,7 @@ if ! "$venv/bin/python" -c "import fairseq" 2>/dev/null; then
     "${pip[@]}" --no-build-isolation fairseq-fixed hydra-core omegaconf antlr4-python3-runtime bitarray
 fi
 log "4/5 tokenizers, scoring, triton, test tools, matplotlib, entmax and difftopk (benchmark peers), scikit-learn (its digits)"
-"${pip[@]}" sentencepiece subword-nmt sacrebleu sacremoses triton pytest hypothesis matplotlib entmax difftopk scikit-learn
+"${pip[@]}" sentencepiece subword-nmt sacrebleu sacremoses triton pytest pytest-xdist hypothesis matplotlib entmax difftopk scikit-learn
 log "5/5 softtopk-fairseq (editable)"
 "${pip[@]}" --no-build-isolation --no-deps -e "$root"
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Set up .venv on first use, then run the test suite (slow experiments excluded). Extra args go to pytest.
+#
+# The tests run in SOFTTOPK_TEST_WORKERS processes (pytest-xdist; default: one per CPU core), each test file
+# whole in one of them, so that a file's module-scoped fixtures are built once; `-n 0` as an extra argument
+# runs everything in this process.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 set +e
-"$root/.venv/bin/python" -m pytest -m "not slow" --durations=15 "$@"
+"$root/.venv/bin/python" -m pytest -m "not slow" -n "${SOFTTOPK_TEST_WORKERS:-auto}" --dist loadfile --durations=15 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure for us, never a pass.
