@@ -428,11 +428,13 @@ def test_without_a_compiler_auto_falls_back_and_cpu_backend_says_why(tmp_path):
 
 
 @pytest.mark.parametrize("scaling", ["none", "paper"])
-def test_cpu_unsorted_rows_solved_in_groups_match_rows_solved_alone(scaling):
-    """Many short rows (n <= 64, k + 1 <= 8) go through the C kernel 16 at a time, one per SIMD lane; the
-    rows past the last full group, and a row solved alone, go one by one. Same outputs and iteration counts
-    either way, with masks, -inf, short and empty rows, ties and far-apart scores among the lanes; and a
-    row's bad score inside a group raises as it does alone."""
+@pytest.mark.parametrize("sorted", [False, True])
+def test_cpu_rows_solved_in_groups_match_rows_solved_alone(sorted, scaling):
+    """Many short rows (n <= 64, k + 1 <= 8) go through the C kernels 16 at a time, one per SIMD lane; the
+    rows past the last full group, and a row solved alone, go one by one (sorted: also a group's rows with at
+    most k valid scores). Same outputs, to the solver's tolerance (the sorted groups add the sums in another
+    order), and iteration counts within one, with masks, -inf, short and empty rows, ties and far-apart scores
+    among the lanes; and a row's bad score inside a group raises as it does alone."""
     torch.manual_seed(11)
     x = torch.randn(37, 30)  # two groups of 16 and 5 rows alone
     mask = torch.rand(37, 30) > 0.2
@@ -442,7 +444,7 @@ def test_cpu_unsorted_rows_solved_in_groups_match_rows_solved_alone(scaling):
     x[9] = torch.randint(0, 3, (30,)).float()  # ties
     x[12] *= 1e4                       # far apart (rounding floor)
     x[20, :] = 0.0                     # all equal
-    kw = dict(epsilon=0.3, scaling=scaling, mask=mask, backend="cpu", return_info=True)
+    kw = dict(epsilon=0.3, sorted=sorted, scaling=scaling, mask=mask, backend="cpu", return_info=True)
     out, info = soft_topk(x, 4, **kw)
     for r in range(37):
         alone, info_r = soft_topk(x[r:r + 1], 4, **{**kw, "mask": mask[r:r + 1]})
@@ -455,7 +457,7 @@ def test_cpu_unsorted_rows_solved_in_groups_match_rows_solved_alone(scaling):
         bad = x.clone()
         bad[17, 4] = value
         with pytest.raises(BadScoresError, match=message):
-            soft_topk(bad, 4, epsilon=0.3, backend="cpu")
+            soft_topk(bad, 4, epsilon=0.3, sorted=sorted, backend="cpu")
 
 
 # ---- one interface: iteration counts, fallback ---------------------------------------------------------

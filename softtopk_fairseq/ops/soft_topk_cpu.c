@@ -796,7 +796,7 @@ typedef struct {
     int k, max_iter, max_halvings;
     double tol;
     int *status;
-    int64_t first_row;  /* unsorted_forward_task's rows start here (those before go by groups) */
+    int64_t first_row;  /* the row-by-row tasks' rows start here (those before go by groups) */
     int paper;  /* the paper scaling's temperature (paper_temperature_of) is computed here, with at and slope */
     float anchor_top, epsilon;  /* (epsilon: the paper scaling's, or with eps NULL the temperature itself) */
     int64_t *at;
@@ -1044,47 +1044,46 @@ static void unsorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     }
 }
 
-/* The sorted operator's row (forward_row) from its raw scores: after prepare_row, the k + 1 anchor masses
+/* The sorted operator's start of row r from its raw scores: after prepare_row, the k + 1 anchor masses c
  * (solvers.anchor_targets: ranks 0..k-1 hold 1 each while there are valid entries for them, the rest anchor
  * the other n_valid - k), the hard-assignment thresholds between consecutive active anchors
  * (solvers.initial_thresholds) and the second start's shift (solvers.log_mass_shift: only the rest anchor's
- * mass differs from 1), stored shifted: tz0[l] = t_{l-1}. */
+ * mass differs from 1), stored shifted: tz0[l] = t_{l-1}. Returns the number of active anchors, or -1 when the
+ * row is not to be solved (prepare_row refused it). */
+static int sorted_row_start(const forward_args *a, int64_t r, float *top, int64_t *n_valid, float *centre,
+                            float *tz0, float *shift, float *c) {
+    int k = a->k, mp = k + 1;
+    float lowest, pair[2];
+    if (!prepare_row(a, r, top, NULL, n_valid, &lowest, pair, centre)) return -1;
+    float eps = row_eps(a, r), bound = a->bound;
+    int ma = (int)(*n_valid < k ? *n_valid : k) + (*n_valid > k);
+    for (int l = 0; l < mp; l++) {
+        c[l] = l < k ? (float)(l < *n_valid) : (*n_valid > k ? (float)(*n_valid - k) : 0.0f);
+        tz0[l] = l >= 1 && l < ma ? hard_threshold(normalised(top[l - 1], *centre, eps, bound),
+                                                   normalised(top[l], *centre, eps, bound)) : 0.0f;
+        shift[l] = l == k && *n_valid > k ? logf((float)(*n_valid - k)) : 0.0f;
+    }
+    return ma;
+}
+
+/* Row r of the sorted operator (sorted_row_start, then forward_row); the rows before first_row go by groups
+ * (sorted_group_task). */
 static void sorted_forward_task(int64_t r, workspace *w, const void *ctx) {
     const forward_args *a = ctx;
+    r += a->first_row;
     int64_t n = a->n, n_valid;
     int k = a->k, mp = k + 1;
-    float top_stack[TOP_ON_STACK], lowest, centre, pair[2];
+    float top_stack[TOP_ON_STACK], centre;
     float *top = top_buffer(a, top_stack);
     if (!top) return;
-    if (prepare_row(a, r, top, NULL, &n_valid, &lowest, pair, &centre)) {
-        float eps = row_eps(a, r), bound = a->bound;
-        float *tz0 = w->tz + 3 * mp, *shift = tz0 + mp, *c = shift + mp;
-        int ma = (int)(n_valid < k ? n_valid : k) + (n_valid > k);
-        for (int l = 0; l < mp; l++) {
-            c[l] = l < k ? (float)(l < n_valid) : (n_valid > k ? (float)(n_valid - k) : 0.0f);
-            tz0[l] = l >= 1 && l < ma ? hard_threshold(normalised(top[l - 1], centre, eps, bound),
-                                                       normalised(top[l], centre, eps, bound)) : 0.0f;
-            shift[l] = l == k && n_valid > k ? logf((float)(n_valid - k)) : 0.0f;
-        }
-        forward_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, eps, bound, k, tz0, shift, c, ma, mp,
-                    a->tol, a->max_iter, a->max_halvings, a->out + r * n * k, a->info + 2 * r, w);
+    float *tz0 = w->tz + 3 * mp, *shift = tz0 + mp, *c = shift + mp;
+    int ma = sorted_row_start(a, r, top, &n_valid, &centre, tz0, shift, c);
+    if (ma >= 0) {
+        forward_row(a->x + r * n, a->mask ? a->mask + r * n : NULL, n, centre, row_eps(a, r), a->bound, k, tz0,
+                    shift, c, ma, mp, a->tol, a->max_iter, a->max_halvings, a->out + r * n * k, a->info + 2 * r, w);
         note_capped(a, a->info + 2 * r);
     }
     if (top != top_stack) free(top);
-}
-
-/* The sorted operator's forward (out (rows, n, k)). Returns 0, or bits: OUT_OF_MEMORY (scratch memory could not be
- * allocated), BAD_NAN, BAD_INF, BAD_SCALE (a row refused, left unsolved), CAPPED (a row stopped at max_iter above
- * tol). at and slope NULL: eps (rows,) is the given temperature (or, eps NULL, epsilon for every row); else the
- * paper scaling's (with anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
-int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, float bound, float *out, float *info,
-                             int64_t rows, int64_t n, int k, double tol, int max_iter, int max_halvings,
-                             float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
-    int status = 0;
-    forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, max_halvings, tol, &status, 0,
-                      at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
-    status |= parallel_rows(rows, n, k + 1, threads, sorted_forward_task, &a);
-    return status;
 }
 
 /* ---- many short rows: GROUP rows at a time, one per SIMD lane --------------------------------------------
@@ -1300,6 +1299,339 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
                       at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
     if (groups > 0) status |= parallel_rows(groups, n, 2, threads, unsorted_group_task, &a);
     if (rows > groups * GROUP) status |= parallel_rows(rows - groups * GROUP, n, 2, threads, unsorted_forward_task, &a);
+    return status;
+}
+
+/* ---- the sorted operator on many short rows: GROUP rows at a time ---------------------------------------
+ * At attention's shapes (tens of keys, thousands of rows) forward_row's time goes to scalar work: each
+ * evaluation's (k + 1)(k + 4) / 2 sums across PAD lanes, and the Newton system's elimination, whose divisions
+ * wait on one another. Here GROUP rows' scores lie transposed, as in the unsorted grouped solve: the plan is
+ * computed element by element across the rows (plan_block's arithmetic, so the same plan), its sums accumulate
+ * per row with no reduction across lanes, and the GROUP Newton systems are eliminated at once (solve_free's
+ * steps, each row with its own pivots). The searches advance together: each row keeps forward_row's start,
+ * second start, steps, halvings and stopping rule, and stops on its own. The sums are added in another order
+ * than forward_row's (SORTED_GROUP_CHUNK elements in float, then in double), so a row's result agrees with its
+ * row-by-row solve to the solver's tolerance, not bit for bit. Rows with at most k valid scores (fewer active
+ * anchors) go row by row. */
+#define SORTED_GROUP_ROW 64     /* rows up to this long ... */
+#define SORTED_GROUP_ANCHORS 8  /* ... with k + 1 at most this go by groups */
+#define SORTED_GROUP_CHUNK 8
+#define SORTED_GROUP_PAIRS (SORTED_GROUP_ANCHORS * (SORTED_GROUP_ANCHORS + 1) / 2)
+
+/* Column j of every lane's plan at thresholds tz (plan_block's arithmetic, element by element): p[l][lane] for
+ * the ma anchors. */
+static inline void group_plan_column(const float *restrict u, const float *restrict wv, float tz[][GROUP], int ma,
+                                     float p[][GROUP]) {
+    float zmax[GROUP], inv[GROUP];
+#pragma omp simd
+    for (int q = 0; q < GROUP; q++) { p[0][q] = 0.0f; zmax[q] = 0.0f; inv[q] = 0.0f; }
+    for (int l = 1; l < ma; l++) {
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) {
+            float d = tz[l][q] - u[q];
+            d = d < -LOGIT_CLAMP_F ? -LOGIT_CLAMP_F : (d > LOGIT_CLAMP_F ? LOGIT_CLAMP_F : d);
+            p[l][q] = p[l - 1][q] + d;
+            zmax[q] = p[l][q] > zmax[q] ? p[l][q] : zmax[q];
+        }
+    }
+    for (int l = 0; l < ma; l++) {
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) {
+            p[l][q] = exp_nonpos(p[l][q] - zmax[q]);
+            inv[q] += p[l][q];
+        }
+    }
+#pragma omp simd
+    for (int q = 0; q < GROUP; q++) inv[q] = wv[q] / inv[q];
+    for (int l = 0; l < ma; l++) {
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) p[l][q] *= inv[q];
+    }
+}
+
+/* evaluate for every lane: anchor masses s[l][lane], P^T P (upper triangle, ppt[a * mp + b][lane]) and the max
+ * relative marginal error err[lane] at thresholds tz, from the transposed scores ut and weights wt. */
+static void group_evaluate(const float *restrict ut, const float *restrict wt, int64_t n, float tz[][GROUP],
+                           int ma, int mp, float c[][GROUP], double s[][GROUP], double ppt[][GROUP],
+                           double *err) {
+    float p[SORTED_GROUP_ANCHORS][GROUP], fs[SORTED_GROUP_ANCHORS][GROUP], fp[SORTED_GROUP_PAIRS][GROUP];
+    for (int l = 0; l < mp; l++)
+        for (int q = 0; q < GROUP; q++) s[l][q] = 0.0;
+    for (int l = 0; l < mp * mp; l++)
+        for (int q = 0; q < GROUP; q++) ppt[l][q] = 0.0;
+    memset(fs, 0, sizeof fs);
+    memset(fp, 0, sizeof fp);
+    for (int64_t start = 0; start < n; start += SORTED_GROUP_CHUNK) {
+        int64_t end = n - start < SORTED_GROUP_CHUNK ? n : start + SORTED_GROUP_CHUNK;
+        for (int64_t j = start; j < end; j++) {
+            group_plan_column(ut + j * GROUP, wt + j * GROUP, tz, ma, p);
+            for (int x = 0, pair = 0; x < ma; x++) {
+#pragma omp simd
+                for (int q = 0; q < GROUP; q++) fs[x][q] += p[x][q];
+                for (int y = x; y < ma; y++, pair++) {
+#pragma omp simd
+                    for (int q = 0; q < GROUP; q++) fp[pair][q] += p[x][q] * p[y][q];
+                }
+            }
+        }
+        for (int x = 0, pair = 0; x < ma; x++) {  /* the chunk's float sums into double */
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++) { s[x][q] += fs[x][q]; fs[x][q] = 0.0f; }
+            for (int y = x; y < ma; y++, pair++) {
+#pragma omp simd
+                for (int q = 0; q < GROUP; q++) { ppt[x * mp + y][q] += fp[pair][q]; fp[pair][q] = 0.0f; }
+            }
+        }
+    }
+    for (int q = 0; q < GROUP; q++) {
+        double e = 0.0;
+        for (int l = 0; l < ma; l++) {
+            if (c[l][q] > 0) {
+                double d = fabs(s[l][q] - c[l][q]) / (c[l][q] > 1.0f ? c[l][q] : 1.0);
+                e = d > e ? d : e;
+            }
+        }
+        err[q] = e;
+    }
+}
+
+/* solve_free for every lane: (diag(s) - P^T P + ridge) x = rhs on the free anchors 0..ma-2, the same
+ * elimination with each lane's own pivots; x = 0 on a lane whose system is singular or whose solution is not
+ * finite, and past the free anchors. */
+static void group_solve(double s[][GROUP], double ppt[][GROUP], double rhs[][GROUP], int ma, int mp,
+                        double x[][GROUP]) {
+    enum { F = SORTED_GROUP_ANCHORS - 1 };
+    int f = ma - 1;
+    double a[F][F][GROUP], scale[GROUP];
+    int singular[GROUP];
+    for (int l = 0; l < mp; l++)
+        for (int q = 0; q < GROUP; q++) x[l][q] = 0.0;
+    if (f <= 0) return;
+    for (int q = 0; q < GROUP; q++) {
+        scale[q] = 1.0;
+        singular[q] = 0;
+    }
+    for (int l = 0; l < f; l++)
+        for (int q = 0; q < GROUP; q++) scale[q] = s[l][q] > scale[q] ? s[l][q] : scale[q];
+    for (int r = 0; r < f; r++) {
+        for (int col = 0; col < f; col++) {
+            const double *pq = r <= col ? ppt[r * mp + col] : ppt[col * mp + r];
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++)
+                a[r][col][q] = (r == col ? s[r][q] + RIDGE_ULPS * FLT_EPS * scale[q] : 0.0) - pq[q];
+        }
+        for (int q = 0; q < GROUP; q++) x[r][q] = rhs[r][q];
+    }
+    for (int col = 0; col < f; col++) {  /* Gaussian elimination with partial pivoting, per lane */
+        double piv[GROUP], best[GROUP], m[GROUP];  /* (the pivot's row as a double: one vector type) */
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) { piv[q] = col; best[q] = fabs(a[col][col][q]); }
+        for (int r = col + 1; r < f; r++) {
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++) {
+                double v = fabs(a[r][col][q]);
+                piv[q] = v > best[q] ? r : piv[q];
+                best[q] = v > best[q] ? v : best[q];
+            }
+        }
+        for (int q = 0; q < GROUP; q++) singular[q] |= !(best[q] > 0.0);
+        for (int r = col + 1; r < f; r++) {  /* row col <-> row piv, where piv is r */
+            for (int c2 = 0; c2 < f; c2++) {
+#pragma omp simd
+                for (int q = 0; q < GROUP; q++) {
+                    double top = a[col][c2][q], other = a[r][c2][q];
+                    a[col][c2][q] = piv[q] == r ? other : top;
+                    a[r][c2][q] = piv[q] == r ? top : other;
+                }
+            }
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++) {
+                double top = x[col][q], other = x[r][q];
+                x[col][q] = piv[q] == r ? other : top;
+                x[r][q] = piv[q] == r ? top : other;
+            }
+        }
+        for (int r = col + 1; r < f; r++) {
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++) m[q] = a[r][col][q] / a[col][col][q];
+            for (int c2 = col; c2 < f; c2++) {
+#pragma omp simd
+                for (int q = 0; q < GROUP; q++) a[r][c2][q] -= m[q] * a[col][c2][q];
+            }
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++) x[r][q] -= m[q] * x[col][q];
+        }
+    }
+    for (int r = f - 1; r >= 0; r--) {
+        for (int c2 = r + 1; c2 < f; c2++) {
+#pragma omp simd
+            for (int q = 0; q < GROUP; q++) x[r][q] -= a[r][c2][q] * x[c2][q];
+        }
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) x[r][q] /= a[r][r][q];
+    }
+    for (int l = 0; l < f; l++)
+        for (int q = 0; q < GROUP; q++) singular[q] |= !isfinite(x[l][q]);
+    for (int l = 0; l < mp; l++) {
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) x[l][q] = singular[q] ? 0.0 : x[l][q];
+    }
+}
+
+/* The lanes where take[lane] move to their trial point: thresholds, masses, P^T P and error. */
+static void group_take(const int *take, int mp, float tz[][GROUP], float tz_t[][GROUP], double s[][GROUP],
+                       double s_t[][GROUP], double ppt[][GROUP], double ppt_t[][GROUP], double *err,
+                       const double *err_t) {
+    for (int l = 0; l < mp; l++) {
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) {
+            tz[l][q] = take[q] ? tz_t[l][q] : tz[l][q];
+            s[l][q] = take[q] ? s_t[l][q] : s[l][q];
+        }
+    }
+    for (int l = 0; l < mp * mp; l++) {
+#pragma omp simd
+        for (int q = 0; q < GROUP; q++) ppt[l][q] = take[q] ? ppt_t[l][q] : ppt[l][q];
+    }
+#pragma omp simd
+    for (int q = 0; q < GROUP; q++) err[q] = take[q] ? err_t[q] : err[q];
+}
+
+/* GROUP rows of the sorted operator from row g * GROUP (forward_row's search on every lane at once). */
+static void sorted_group_task(int64_t g, workspace *w, const void *ctx) {
+    const forward_args *a = ctx;
+    int64_t n = a->n, r0 = g * GROUP;
+    int k = a->k, mp = k + 1;
+    float ut[SORTED_GROUP_ROW * GROUP], wt[SORTED_GROUP_ROW * GROUP];
+    float tz[SORTED_GROUP_ANCHORS][GROUP], tz_t[SORTED_GROUP_ANCHORS][GROUP], dtz[SORTED_GROUP_ANCHORS][GROUP];
+    float shift[SORTED_GROUP_ANCHORS][GROUP], c[SORTED_GROUP_ANCHORS][GROUP];
+    float plan[SORTED_GROUP_ROW * SORTED_GROUP_ANCHORS][GROUP];
+    double s[SORTED_GROUP_ANCHORS][GROUP], s_t[SORTED_GROUP_ANCHORS][GROUP];
+    double rhs[SORTED_GROUP_ANCHORS][GROUP], dh[SORTED_GROUP_ANCHORS][GROUP];
+    double ppt[SORTED_GROUP_ANCHORS * SORTED_GROUP_ANCHORS][GROUP];
+    double ppt_t[SORTED_GROUP_ANCHORS * SORTED_GROUP_ANCHORS][GROUP];
+    double err[GROUP], err_t[GROUP], alpha[GROUP];
+    int in[GROUP], take[GROUP], active[GROUP], searching[GROUP], accepted[GROUP], tries[GROUP], it[GROUP];
+    int any = 0;
+    /* each row's start (sorted_row_start), its normalised scores transposed into the lanes */
+    for (int q = 0; q < GROUP; q++) {
+        int64_t r = r0 + q, n_valid;
+        float top[TOP_ON_STACK], centre, tz0[SORTED_GROUP_ANCHORS], sh[SORTED_GROUP_ANCHORS];
+        float cq[SORTED_GROUP_ANCHORS];
+        const uint8_t *valid = a->mask ? a->mask + r * n : NULL;
+        int ma = sorted_row_start(a, r, top, &n_valid, &centre, tz0, sh, cq);
+        in[q] = ma == mp;
+        if (ma >= 0 && ma < mp) {  /* fewer active anchors: row by row */
+            forward_row(a->x + r * n, valid, n, centre, row_eps(a, r), a->bound, k, tz0, sh, cq, ma, mp, a->tol,
+                        a->max_iter, a->max_halvings, a->out + r * n * k, a->info + 2 * r, w);
+            note_capped(a, a->info + 2 * r);
+        }
+        if (in[q]) normalise_row(a->x + r * n, valid, n, centre, row_eps(a, r), a->bound, w->u, w->wv);
+        for (int64_t j = 0; j < n; j++) {
+            ut[j * GROUP + q] = in[q] ? w->u[j] : 0.0f;
+            wt[j * GROUP + q] = in[q] ? w->wv[j] : 0.0f;
+        }
+        for (int l = 0; l < mp; l++) {
+            tz[l][q] = in[q] ? tz0[l] : 0.0f;
+            shift[l][q] = in[q] ? sh[l] : 0.0f;
+            c[l][q] = in[q] ? cq[l] : 0.0f;
+        }
+        any |= in[q];
+    }
+    if (!any) return;
+    group_evaluate(ut, wt, n, tz, mp, mp, c, s, ppt, err);
+    /* second starting point (thresholds shifted by log c), kept by the rows it fits better */
+    int second = 0;
+    for (int q = 0; q < GROUP; q++) second |= in[q] && err[q] > SECOND_START_ERROR;
+    if (second) {
+        for (int l = 0; l < mp; l++)
+            for (int q = 0; q < GROUP; q++) tz_t[l][q] = tz[l][q] + shift[l][q];
+        group_evaluate(ut, wt, n, tz_t, mp, mp, c, s_t, ppt_t, err_t);
+        for (int q = 0; q < GROUP; q++) take[q] = in[q] && err[q] > SECOND_START_ERROR && err_t[q] < err[q];
+        group_take(take, mp, tz, tz_t, s, s_t, ppt, ppt_t, err, err_t);
+    }
+    int going = 0;
+    for (int q = 0; q < GROUP; q++) {
+        it[q] = 0;
+        active[q] = in[q] && err[q] > a->tol && a->max_iter > 0;
+        going |= active[q];
+    }
+    while (going) {
+        for (int l = 0; l < mp; l++)
+            for (int q = 0; q < GROUP; q++) rhs[l][q] = c[l][q] - s[l][q];
+        group_solve(s, ppt, rhs, mp, mp, dh);
+        int trying = 0;
+        for (int q = 0; q < GROUP; q++) {
+            double big = MAX_STEP;
+            for (int l = 0; l < mp; l++) big = fabs(dh[l][q]) > big ? fabs(dh[l][q]) : big;
+            alpha[q] = MAX_STEP / big;
+            /* a step dh on the potentials moves threshold t_{l-1} = tz[l] by dh_l - dh_{l-1} */
+            for (int l = 0; l < mp; l++) dtz[l][q] = l >= 1 ? (float)(dh[l][q] - dh[l - 1][q]) : 0.0f;
+            tries[q] = 0;
+            accepted[q] = 0;
+            searching[q] = active[q];
+            trying |= active[q];
+        }
+        while (trying) {
+            for (int l = 0; l < mp; l++)
+                for (int q = 0; q < GROUP; q++) tz_t[l][q] = tz[l][q] + (float)alpha[q] * dtz[l][q];
+            group_evaluate(ut, wt, n, tz_t, mp, mp, c, s_t, ppt_t, err_t);
+            trying = 0;
+            for (int q = 0; q < GROUP; q++) {
+                take[q] = searching[q] && (err_t[q] < err[q] || err_t[q] <= a->tol);
+                if (!searching[q]) continue;
+                if (take[q]) {
+                    accepted[q] = 1;
+                    searching[q] = 0;
+                } else if (err[q] < NEAR_FLOOR && tries[q] >= 1) {  /* the row's float rounding floor */
+                    searching[q] = 0;
+                } else {
+                    alpha[q] *= 0.5;
+                    searching[q] = ++tries[q] < a->max_halvings;
+                }
+                trying |= searching[q];
+            }
+            group_take(take, mp, tz, tz_t, s, s_t, ppt, ppt_t, err, err_t);
+        }
+        going = 0;
+        for (int q = 0; q < GROUP; q++) {
+            if (!active[q]) continue;
+            it[q]++;
+            active[q] = accepted[q] && err[q] > a->tol && it[q] < a->max_iter;
+            going |= active[q];
+        }
+    }
+    for (int q = 0; q < GROUP; q++) {  /* (rows of row-by-row lanes already have theirs) */
+        if (!in[q]) continue;
+        float *info = a->info + 2 * (r0 + q);
+        info[0] = (float)it[q];
+        info[1] = (float)err[q];
+        note_capped(a, info);
+    }
+    /* the plans at the solutions, then each row's output written in one contiguous sweep */
+    for (int64_t j = 0; j < n; j++) group_plan_column(ut + j * GROUP, wt + j * GROUP, tz, mp, plan + j * mp);
+    for (int q = 0; q < GROUP; q++) {
+        if (!in[q]) continue;
+        float *o = a->out + (r0 + q) * n * k;
+        for (int64_t j = 0; j < n; j++)
+            for (int l = 0; l < k; l++) o[j * k + l] = plan[j * mp + l][q];
+    }
+}
+
+/* The sorted operator's forward (out (rows, n, k)). Returns 0, or bits: OUT_OF_MEMORY (scratch memory could not be
+ * allocated), BAD_NAN, BAD_INF, BAD_SCALE (a row refused, left unsolved), CAPPED (a row stopped at max_iter above
+ * tol). at and slope NULL: eps (rows,) is the given temperature (or, eps NULL, epsilon for every row); else the
+ * paper scaling's (with anchor_top and epsilon) is computed on the way and written to eps, at and slope. */
+int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, float bound, float *out, float *info,
+                             int64_t rows, int64_t n, int k, double tol, int max_iter, int max_halvings,
+                             float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
+    int status = 0;
+    int64_t groups = (n <= SORTED_GROUP_ROW && k + 1 <= SORTED_GROUP_ANCHORS) ? rows / GROUP : 0;
+    forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, max_halvings, tol, &status, groups * GROUP,
+                      at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
+    if (groups > 0) status |= parallel_rows(groups, n, k + 1, threads, sorted_group_task, &a);
+    if (rows > groups * GROUP)
+        status |= parallel_rows(rows - groups * GROUP, n, k + 1, threads, sorted_forward_task, &a);
     return status;
 }
 
