@@ -434,7 +434,8 @@ def test_cpu_rows_solved_in_groups_match_rows_solved_alone(sorted, scaling):
     rows past the last full group, and a row solved alone, go one by one (sorted: also a group's rows with at
     most k valid scores). Same outputs, to the solver's tolerance (the sorted groups add the sums in another
     order), and iteration counts within one, with masks, -inf, short and empty rows, ties and far-apart scores
-    among the lanes; and a row's bad score inside a group raises as it does alone."""
+    among the lanes; the same for the gradients through them; and a row's bad score inside a group raises as it
+    does alone."""
     torch.manual_seed(11)
     x = torch.randn(37, 30)  # two groups of 16 and 5 rows alone
     mask = torch.rand(37, 30) > 0.2
@@ -445,10 +446,17 @@ def test_cpu_rows_solved_in_groups_match_rows_solved_alone(sorted, scaling):
     x[12] *= 1e4                       # far apart (rounding floor)
     x[20, :] = 0.0                     # all equal
     kw = dict(epsilon=0.3, sorted=sorted, scaling=scaling, mask=mask, backend="cpu", return_info=True)
-    out, info = soft_topk(x, 4, **kw)
+    xg = x.clone().requires_grad_()
+    out, info = soft_topk(xg, 4, **kw)
+    gout = torch.randn_like(out)
+    out.backward(gout)
+    out = out.detach()
     for r in range(37):
-        alone, info_r = soft_topk(x[r:r + 1], 4, **{**kw, "mask": mask[r:r + 1]})
-        torch.testing.assert_close(out[r:r + 1], alone, atol=2e-6, rtol=0)
+        xr = x[r:r + 1].clone().requires_grad_()
+        alone, info_r = soft_topk(xr, 4, **{**kw, "mask": mask[r:r + 1]})
+        alone.backward(gout[r:r + 1])
+        torch.testing.assert_close(out[r:r + 1], alone.detach(), atol=2e-6, rtol=0)
+        torch.testing.assert_close(xg.grad[r:r + 1], xr.grad, atol=1e-5, rtol=1e-5)
         assert abs(float(info.iterations[r] - info_r.iterations[0])) <= 1
     ref = soft_topk(x, 4, **{**kw, "backend": "torch"})[0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
