@@ -16,7 +16,8 @@ to the output's backward). The hard top-k and our unsorted and sorted op are tim
 ``--floor-rounds`` rounds after a warm-up (medians); each peer in turn with ours unsorted (the slow ones in a
 seventh of the rounds), so that every ratio comes from one set of rounds and no peer's working set sits between
 the target's calls. It prints the ratios to the hard top-k, of the sorted operator to the unsorted one and of each
-peer to ours, at k = 5, and the unsorted one's ratio at other k (``--floor-k``). ``against_n``:
+peer to ours, at k = 5, the unsorted one's ratio at other k (``--floor-k``) and, on a CPU, whether each of
+``CPU_TARGETS`` is met. ``against_n``:
 the same rows at 64 rows and n from 32 to 10,000 (k = 5; ``--against-n``), with the authors' code, and ``--plot
 PATH`` draws time against n.
 
@@ -126,6 +127,10 @@ def floor_rows(x, w, peers=PEERS, k=K):
 
 
 TARGETS = ("hard top-k", "ours unsorted", "ours sorted")  # the floor table's group: timed in turn, alone
+# The CPU speed targets, as ratios in the floor table: (shape, row) -> the largest ratio to the row's baseline (ours
+# unsorted against the hard top-k, ours sorted against ours unsorted) that meets the target.
+CPU_TARGETS = {("generic", "ours unsorted"): 3.0, ("attention", "ours unsorted"): 1.3,
+               ("generic", "ours sorted"): 6.0, ("attention", "ours sorted"): 6.0}
 SLOW = ("perturbed 100", "difftopk", "authors")  # rows timed in fewer rounds
 
 
@@ -155,7 +160,7 @@ def bench_floor(args, results):
           f"(the hard top-k: forward). The hard top-k and ours timed in turn, {args.floor_rounds} rounds, medians; "
           f"each peer in turn with ours unsorted, its ratio to ours from those rounds")
     print(harness.table_header(FLOOR_COLUMNS))
-    notes = []
+    notes, targets = [], []
     for name in args.shapes:
         rows_, n = SHAPES[name]
         shape = f"{name} {rows_}x{n}"
@@ -166,6 +171,13 @@ def bench_floor(args, results):
         for row, (seconds, base, base_seconds) in timed.items():
             results.add(row, seconds, shape=shape, baseline=base, baseline_seconds=base_seconds, table="floor",
                         **({"pass": "forward"} if row == "hard top-k" else {}))
+        if args.device == "cpu":
+            for (target_shape, row), bound in CPU_TARGETS.items():
+                if target_shape == name:
+                    seconds, base, base_seconds = timed[row]
+                    got = seconds / base_seconds
+                    targets.append(f"target: {row} <= {bound:g}x {base} at {shape}: "
+                                   f"{'met' if got <= bound else 'NOT met'} ({got:.2f}x)")
         _, why = difftopk_call(rows_, n)
         if why and "difftopk" in args.peers:
             notes.append(f"difftopk at {shape}: {why}")
@@ -190,7 +202,7 @@ def bench_floor(args, results):
                         baseline_seconds=kk.seconds("hard top-k"), table="floor", k=k)
             notes.append(f"{shape}, k = {k}: ours unsorted {kk.seconds('ours unsorted') * 1e3:.2f} ms, "
                          f"{kk.ratio('ours unsorted'):.2f}x the hard top-k ({kk.seconds('hard top-k') * 1e3:.2f} ms)")
-    for note in notes:
+    for note in notes + targets:
         print(f"- {note}")
 
 

@@ -173,7 +173,7 @@ def test_user_benchmarks_import_only_the_libraries():
 
 def test_operator_benchmark_floor_table_ratios_to_the_hard_topk_and_time_against_n(tmp_path):
     """The floor table times the README's call against the hard top-k's forward and prints the ratio its row
-    records; the against-n table draws its figure."""
+    records, and whether the CPU targets of the shapes it ran are met; the against-n table draws its figure."""
     path, plot = tmp_path / "rows.jsonl", tmp_path / "n.png"
     out = bench("bench_soft_topk.py", "--tables", "floor", "against_n", "--shapes", "generic", "--floor-rounds", "1",
                 "--floor-k", "16", "--peers", "budget_bisect", "--against-n", "32", "100", "--plot", plot,
@@ -189,6 +189,10 @@ def test_operator_benchmark_floor_table_ratios_to_the_hard_topk_and_time_against
     assert floor["hard top-k"]["figures"]["pass"] == "forward"
     assert floor["budget_bisect"]["baseline"]["row"] == "ours unsorted"
     assert [r["figures"]["k"] for r in records if "k" in r["figures"]] == [16] and "k = 16" in out
+    sorted_ratio = floor["ours sorted"]["ratio"]  # the CPU targets of the shape run, each said met or not
+    assert re.search(r"target: ours unsorted <= 3x hard top-k at generic 64x1000: (met|NOT met) \(\d+\.\d\dx\)", out)
+    assert (f"target: ours sorted <= 6x ours unsorted at generic 64x1000: {'met' if sorted_ratio <= 6 else 'NOT met'} "
+            f"({sorted_ratio:.2f}x)") in out and "attention" not in out.split("target:", 1)[1]
     against = {(r["row"], r["shape"]) for r in records if r["figures"]["table"] == "against_n"}
     assert {("authors' code (sorted)", "64x32"), ("ours unsorted", "64x100"), ("hard top-k", "64x100")} <= against
     assert plot.stat().st_size > 0

@@ -135,13 +135,14 @@ static inline float sum_lanes(const float *restrict p, int nb) {
     return lane_total(lanes);
 }
 
-/* The anchor masses s_a += sum_j P_ja and P^T P (upper triangle) += sum_j P_ja P_jb of one plan block of nb
- * entries (a multiple of PAD: the padding is zero). */
+/* The anchor masses s_a += sum_j P_ja of the ma anchors and P^T P (upper triangle) += sum_j P_ja P_jb of the
+ * first ma - 1 (solve_free pins the last: its products are never read), from one plan block of nb entries (a
+ * multiple of PAD: the padding is zero). */
 static void accumulate(const float *restrict pl, int nb, int ma, int mp, double *restrict s, double *restrict ppt) {
     for (int a = 0; a < ma; a++) {
         const float *pa = pl + a * BLOCK;
         s[a] += sum_lanes(pa, nb);
-        for (int b = a; b < ma; b++) ppt[a * mp + b] += dot_lanes(pa, pl + b * BLOCK, nb);
+        for (int b = a; b < ma - 1; b++) ppt[a * mp + b] += dot_lanes(pa, pl + b * BLOCK, nb);
     }
 }
 
@@ -1316,7 +1317,7 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
 #define SORTED_GROUP_ROW 64     /* rows up to this long ... */
 #define SORTED_GROUP_ANCHORS 8  /* ... with k + 1 at most this go by groups */
 #define SORTED_GROUP_CHUNK 8
-#define SORTED_GROUP_PAIRS (SORTED_GROUP_ANCHORS * (SORTED_GROUP_ANCHORS + 1) / 2)
+#define SORTED_GROUP_PAIRS (SORTED_GROUP_ANCHORS * (SORTED_GROUP_ANCHORS - 1) / 2)  /* (the free anchors') */
 
 /* Column j of every lane's plan at thresholds tz (plan_block's arithmetic, element by element): p[l][lane] for
  * the ma anchors. */
@@ -1349,8 +1350,9 @@ static inline void group_plan_column(const float *restrict u, const float *restr
     }
 }
 
-/* evaluate for every lane: anchor masses s[l][lane], P^T P (upper triangle, ppt[a * mp + b][lane]) and the max
- * relative marginal error err[lane] at thresholds tz, from the transposed scores ut and weights wt. */
+/* evaluate for every lane: anchor masses s[l][lane], P^T P (upper triangle of the first ma - 1 anchors, as
+ * accumulate, ppt[a * mp + b][lane]) and the max relative marginal error err[lane] at thresholds tz, from the
+ * transposed scores ut and weights wt. */
 static void group_evaluate(const float *restrict ut, const float *restrict wt, int64_t n, float tz[][GROUP],
                            int ma, int mp, float c[][GROUP], double s[][GROUP], double ppt[][GROUP],
                            double *err) {
@@ -1368,7 +1370,7 @@ static void group_evaluate(const float *restrict ut, const float *restrict wt, i
             for (int x = 0, pair = 0; x < ma; x++) {
 #pragma omp simd
                 for (int q = 0; q < GROUP; q++) fs[x][q] += p[x][q];
-                for (int y = x; y < ma; y++, pair++) {
+                for (int y = x; y < ma - 1; y++, pair++) {
 #pragma omp simd
                     for (int q = 0; q < GROUP; q++) fp[pair][q] += p[x][q] * p[y][q];
                 }
@@ -1377,7 +1379,7 @@ static void group_evaluate(const float *restrict ut, const float *restrict wt, i
         for (int x = 0, pair = 0; x < ma; x++) {  /* the chunk's float sums into double */
 #pragma omp simd
             for (int q = 0; q < GROUP; q++) { s[x][q] += fs[x][q]; fs[x][q] = 0.0f; }
-            for (int y = x; y < ma; y++, pair++) {
+            for (int y = x; y < ma - 1; y++, pair++) {
 #pragma omp simd
                 for (int q = 0; q < GROUP; q++) { ppt[x * mp + y][q] += fp[pair][q]; fp[pair][q] = 0.0f; }
             }
