@@ -765,3 +765,82 @@ def test_the_triton_call_is_one_launch_each_way(sorted, scaling, check_errors, m
     expected.backward(grad)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(x.grad, alone.grad, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("paper", [False, True])
+def test_triton_sorted_forward_split_across_programs_matches_one_program_per_row(paper):
+    """A few long rows go to several programs each (``triton_kernels.split_parts``): every evaluation is
+    rows x parts programs storing partial sums, then one program per row adds them up and takes the
+    single-program kernel's decision (second start, step, halving, stop). The same output (to float rounding:
+    the partial sums are added in another order), iterations, status and temperature as one program per row --
+    with a mask, -inf, a bad row (reported, its output NaN), far-apart scores -- and the same capped rows at a
+    small ``max_iter``."""
+    if not _triton_usable():
+        pytest.skip("no triton runtime")
+    from softtopk_fairseq.ops import triton_kernels as tk
+    from softtopk_fairseq.ops.backends import score_bound, top_anchor
+    from softtopk_fairseq.ops.kernel_interface import BAD_NAN, CAPPED
+
+    torch.manual_seed(21)
+    x = torch.randn(4, 1100, device=TRITON_DEVICE)  # (3 parts of 2, 2 and 1 blocks of 256)
+    mask = torch.rand(4, 1100, device=TRITON_DEVICE) > 0.1
+    x[1, ::7] = -torch.inf
+    x[2, 5] = float("nan")
+    x[3] *= 50.0
+    k = 5
+    eps, temperature = (None, (top_anchor(k, True), 0.1)) if paper else (0.1, None)
+    args = (x, mask, eps, k, score_bound(torch.float32, k))
+    for tol, max_iter in ((1e-6, 50), (1e-12, 1)):
+        one = tk.forward(*args, tol, max_iter, temperature, parts=1)
+        split = tk.forward(*args, tol, max_iter, temperature, parts=3)
+        assert torch.equal(one[2], split[2])  # status: the same bits per row
+        assert bool(split[2][2] & BAD_NAN) and bool(split[0][2].isnan().all())
+        assert bool((split[2][[0, 1, 3]] & CAPPED != 0).all()) == (max_iter == 1)
+        torch.testing.assert_close(split[0], one[0], atol=2e-6, rtol=0, equal_nan=True)
+        assert (one[1][:, 0] - split[1][:, 0]).abs().max() <= 1
+        for a, b in zip(one[3:], split[3:]):  # the paper scaling's eps, at, slope
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_the_sorted_forward_splits_rows_only_when_they_are_few_and_long(monkeypatch):
+    """One program per row unless the rows are too few for half of the GPU's SMs and long enough for four blocks a
+    program (then about two programs per SM); never on CPU tensors (the interpreter)."""
+    from types import SimpleNamespace
+
+    if not _triton_usable():
+        pytest.skip("no triton runtime")
+    from softtopk_fairseq.ops import triton_kernels as tk
+
+    assert tk.split_parts(8, 50000, 256, torch.device("cpu")) == 1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")
+    assert tk.split_parts(8, 50000, 256, cuda) == 33  # 2 x 132 programs over 8 rows
+    assert tk.split_parts(2, 5000, 256, cuda) == 5  # 4 blocks a program
+    assert tk.split_parts(66, 50000, 256, cuda) == 1 and tk.split_parts(8, 1000, 256, cuda) == 1
+
+
+def test_the_split_sorted_forward_launches_by_rounds_and_reads_one_flag_per_check(monkeypatch):
+    """The split solve's launches: the start, rounds of (evaluate, step) in checks of ``SPLIT_ROUNDS``, the
+    output; one value read back per check (whether a row is still going), nothing else; and it stops at the
+    first check that finds every row stopped. Counted on CPU tensors under the interpreter."""
+    if not _triton_usable():
+        pytest.skip("no triton runtime")
+    from host_reads import HostReads
+
+    from softtopk_fairseq.ops import triton_kernels as tk
+    from softtopk_fairseq.ops.backends import score_bound
+
+    x = torch.randn(2, 600, device=TRITON_DEVICE)
+    with _Launches(monkeypatch) as mode, HostReads() as reads:
+        out, info, *_ = tk.forward(x, None, 0.1, 3, score_bound(torch.float32, 3), 1e-6, 50, parts=3)
+        launches, _ = mode.take()
+    rounds = launches[1:-1]
+    assert launches[0] == "sorted_split_start_kernel" and launches[-1] == "sorted_split_output_kernel"
+    assert rounds == ["sorted_split_evaluate_kernel", "sorted_split_step_kernel"] * (len(rounds) // 2)
+    checks = len(rounds) // 2 // tk.SPLIT_ROUNDS
+    assert len(rounds) // 2 == checks * tk.SPLIT_ROUNDS and reads.count == checks
+    # the longest row evaluated at least the start and each Newton step once, at most the two starts and
+    # MAX_HALVINGS tries per step: the loop ran those rounds, and stopped within a check of them
+    steps = int(info[:, 0].max())
+    assert checks * tk.SPLIT_ROUNDS >= 1 + steps and (checks - 1) * tk.SPLIT_ROUNDS < 2 + steps * tk.MAX_HALVINGS
+    assert bool(torch.isfinite(out).all())

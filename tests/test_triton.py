@@ -34,7 +34,17 @@ UBWD = {"out_ptr": "*fp32", "g_ptr": "*fp32", "x_ptr": "*fp32", "valid_ptr": "*i
         "epsilon": "fp32"}
 TEMP = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
         "n": "i32", "anchor_top": "fp32", "epsilon": "fp32"}
+SPLIT_START = {"x_ptr": "*fp32", "valid_ptr": "*i1", "eps_ptr": "*fp32", "at_ptr": "*i64", "slope_ptr": "*fp32",
+               "state_ptr": "*fp32", "istate_ptr": "*i32", "n": "i32", "k": "i32", "bound": "fp32",
+               "anchor_top": "fp32", "epsilon": "fp32"}
+SPLIT_EVALUATE = {"x_ptr": "*fp32", "valid_ptr": "*i1", "state_ptr": "*fp32", "istate_ptr": "*i32",
+                  "partial_ptr": "*fp32", "n": "i32", "bound": "fp32", "chunk": "i32"}
+SPLIT_STEP = {"state_ptr": "*fp32", "istate_ptr": "*i32", "partial_ptr": "*fp32", "info_ptr": "*fp32",
+              "status_ptr": "*i32", "parts": "i32", "tol": "fp32", "max_iter": "i32", "max_halvings": "i32"}
+SPLIT_OUTPUT = {"x_ptr": "*fp32", "valid_ptr": "*i1", "state_ptr": "*fp32", "istate_ptr": "*i32", "out_ptr": "*fp32",
+                "n": "i32", "k": "i32", "bound": "fp32", "chunk": "i32"}
 STATUS = {"SATURATION": SATURATION, "CAPPED": CAPPED, **REFUSAL_BITS}
+STEP = {name: KERNEL_CONSTANTS[name] for name in ("MAX_STEP", "NEAR_FLOOR", "SECOND_START_ERROR", "RIDGE_ULPS")}
 # Each kernel's variants: the mask, and where the temperature comes from (per row, one number, the paper
 # scaling's) -- in the backward with or without dL/deps, stored or added to dL/dx.
 FORWARDS = ({"HAS_MASK": True, "PAPER": True, "EPS_PER_ROW": False},
@@ -48,11 +58,17 @@ KERNELS = (  # kernel, signature, variants, constexprs
     (tk.soft_topk_backward_kernel, BWD, BACKWARDS, {**BACKWARD_KERNEL_CONSTANTS, "MP": 8}),
     (tk.soft_topk_unsorted_forward_kernel, UFWD, FORWARDS, {**UNSORTED_KERNEL_CONSTANTS, **STATUS}),
     (tk.soft_topk_unsorted_backward_kernel, UBWD, BACKWARDS, {}),
-    (tk.paper_temperature_kernel, TEMP, ({"HAS_MASK": True}, {"HAS_MASK": False}), {}))
+    (tk.paper_temperature_kernel, TEMP, ({"HAS_MASK": True}, {"HAS_MASK": False}), {}),
+    (tk.sorted_split_start_kernel, SPLIT_START, FORWARDS, {"MP": 8, "SATURATION": SATURATION, **REFUSAL_BITS}),
+    (tk.sorted_split_evaluate_kernel, SPLIT_EVALUATE, ({"HAS_MASK": True}, {"HAS_MASK": False}),
+     {"MP": 8, "LOGIT_CLAMP": KERNEL_CONSTANTS["LOGIT_CLAMP"]}),
+    (tk.sorted_split_step_kernel, SPLIT_STEP, ({},), {"MP": 8, "CAPPED": CAPPED, **STEP}),
+    (tk.sorted_split_output_kernel, SPLIT_OUTPUT, ({"HAS_MASK": True}, {"HAS_MASK": False}),
+     {"MP": 8, "LOGIT_CLAMP": KERNEL_CONSTANTS["LOGIT_CLAMP"]}))
 for arch in map(int, sys.argv[1:]):
     for fn, sig, variants, extra in KERNELS:
         for variant in variants:
-            consts = {"BLOCK_N": 256, **extra, **variant}
+            consts = {**({"BLOCK_N": 256} if "BLOCK_N" in fn.arg_names else {}), **extra, **variant}
             signature = dict(sig, **{name: "constexpr" for name in consts})
             triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32))
@@ -64,7 +80,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", COMPILE, "80", "90"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count("compiled") == 2 * (4 * 3 + 2)
+    assert out.stdout.count("compiled") == 2 * (4 * 3 + 2 + 3 + 2 + 1 + 2)
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error():

@@ -15,7 +15,10 @@ bits ``kernel_interface.REFUSAL_BITS``, passed in as constexpr arguments (never 
   ``s`` and the Hessian ``diag(s) - P P^T`` in registers. Each Newton evaluation streams the scores once in
   blocks of ``BLOCK_N``, normalising them on the fly as ``clamp((x - centre) / eps, +-bound)`` (the plan is
   never stored); the ``m x m`` system is solved in registers by Gauss-Jordan elimination. A last pass writes
-  the output.
+  the output. A few long rows (fewer than half the GPU's SMs, :func:`split_parts`) are split across programs
+  instead: a launch per evaluation, several programs per row each summing its chunk, one program per row
+  adding the partials and taking the same decisions; the host asks every ``SPLIT_ROUNDS`` rounds whether a
+  row is still going (one read back each time).
 * sorted backward (:func:`backward`): three streaming passes per row -- the valid count, then ``v`` and ``M``,
   then the gradient (and dL/deps, ``implicit_backward.temperature_grad``, in the same pass).
 * unsorted forward (:func:`unsorted_forward`): one program per row, from the raw scores too, as the C unsorted
@@ -262,19 +265,25 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
 
 
 @triton.jit
-def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr, n, k,
-                             bound, tol, max_iter, max_halvings, anchor_top, epsilon,
-                             HAS_MASK: tl.constexpr, PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr,
-                             MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
-                             SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr,
-                             SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
-                             BAD_SCALE: tl.constexpr, CAPPED: tl.constexpr):
-    """The sorted operator of one row from its raw scores: ``backends.Backend.solve``'s preparation, then
-    ``solvers.newton_semi_dual``. ``valid_ptr``: the caller's bool mask (``HAS_MASK``); ``-inf`` is excluded
-    in any case. ``PAPER``: the temperature is the paper scaling's (written to eps/at/slope), else read from
-    ``eps_ptr`` (``EPS_PER_ROW``) or ``epsilon``. The row's status bits: the refusals, and ``CAPPED`` when it
-    stopped at max_iter above ``tol``."""
-    row = tl.program_id(0)
+def _newton_direction(s, ppt, c, m_act, MP: tl.constexpr, MAX_STEP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
+    """The damped Newton step's first try (solvers.newton_semi_dual): (alpha, dtz), the thresholds' move dtz
+    scaled by alpha so that no potential moves by more than MAX_STEP (the trust region)."""
+    lane = tl.arange(0, MP)
+    dh = _solve_free(s, ppt, c - s, m_act, MP, RIDGE_ULPS)
+    alpha = MAX_STEP / tl.maximum(tl.max(tl.abs(dh), axis=0), MAX_STEP)
+    # dt_l = dh_{l+1} - dh_l, stored shifted: dtz[l] = dh_l - dh_{l-1}.
+    dh_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, dh[None, :], 0.0), axis=1)
+    return alpha, tl.where((lane >= 1) & (lane < m_act), dh - dh_prev, 0.0)
+
+
+@triton.jit
+def _sorted_start(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, row, n, k, bound, anchor_top, epsilon,
+                  HAS_MASK: tl.constexpr, PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr, MP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
+                  BAD_SCALE: tl.constexpr):
+    """The sorted forward's preparation of ``row`` from its raw scores (``backends.Backend.solve``'s): returns
+    (n_valid, status, eps, the anchor masses c, the number of active anchors, the centre, the starting
+    thresholds tz)."""
     lane = tl.arange(0, MP)
     n_valid, status, _, _, eps = _scan_and_temperature(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, row,
                                                        n, anchor_top, epsilon, HAS_MASK, PAPER, EPS_PER_ROW, BLOCK_N,
@@ -296,6 +305,27 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     live = (lane >= 1) & (lane < m_act)
     u_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, u_top[None, :], 0.0), axis=1)
     tz = tl.where(live, _hard_boundary(tl.where(live, u_prev, 0.0), tl.where(live, u_top, 0.0), SATURATION), 0.0)
+    return n_valid, status, eps, c, m_act, centre, tz
+
+
+@triton.jit
+def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_ptr, info_ptr, status_ptr, n, k,
+                             bound, tol, max_iter, max_halvings, anchor_top, epsilon,
+                             HAS_MASK: tl.constexpr, PAPER: tl.constexpr, EPS_PER_ROW: tl.constexpr,
+                             MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
+                             SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr,
+                             SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
+                             BAD_SCALE: tl.constexpr, CAPPED: tl.constexpr):
+    """The sorted operator of one row from its raw scores: ``backends.Backend.solve``'s preparation, then
+    ``solvers.newton_semi_dual``. ``valid_ptr``: the caller's bool mask (``HAS_MASK``); ``-inf`` is excluded
+    in any case. ``PAPER``: the temperature is the paper scaling's (written to eps/at/slope), else read from
+    ``eps_ptr`` (``EPS_PER_ROW``) or ``epsilon``. The row's status bits: the refusals, and ``CAPPED`` when it
+    stopped at max_iter above ``tol``."""
+    row = tl.program_id(0)
+    lane = tl.arange(0, MP)
+    n_valid, status, eps, c, m_act, centre, tz = _sorted_start(
+        x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, row, n, k, bound, anchor_top, epsilon, HAS_MASK, PAPER,
+        EPS_PER_ROW, MP, BLOCK_N, SATURATION, BAD_NAN, BAD_INF, BAD_SCALE)
     s, ppt, err = _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK, MP, BLOCK_N,
                             LOGIT_CLAMP)
     # Second starting point (thresholds shifted by log c, solvers.log_mass_shift: only the rest anchor's mass
@@ -310,12 +340,7 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     it = tl.full((), 0, tl.int32)
     going = (err > tol) & (status == 0)  # a bad row is reported, not solved
     while going & (it < max_iter):
-        dh = _solve_free(s, ppt, c - s, m_act, MP, RIDGE_ULPS)
-        # Trust region: no potential moves by more than MAX_STEP in one step (solvers.newton_semi_dual).
-        alpha = MAX_STEP / tl.maximum(tl.max(tl.abs(dh), axis=0), MAX_STEP)
-        # dt_l = dh_{l+1} - dh_l, stored shifted: dtz[l] = dh_l - dh_{l-1}.
-        dh_prev = tl.sum(tl.where(lane[None, :] == lane[:, None] - 1, dh[None, :], 0.0), axis=1)
-        dtz = tl.where((lane >= 1) & (lane < m_act), dh - dh_prev, 0.0)
+        alpha, dtz = _newton_direction(s, ppt, c, m_act, MP, MAX_STEP, RIDGE_ULPS)
         tries = tl.full((), 0, tl.int32)
         accepted = tl.full((), 0, tl.int32)
         # Near convergence (error < NEAR_FLOOR), two failed halvings mean a rounding floor.
@@ -340,6 +365,182 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
         p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
                        LOGIT_CLAMP)
         p = tl.where(status == 0, p, float("nan"))  # a bad row: NaN (what check_errors=False returns)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
+        tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
+
+
+# ---- the sorted forward split across programs ---------------------------------------------------------------
+# A few long rows (the beam search's 8 x 50000) leave a one-program-per-row kernel with a few SMs busy. Split, the
+# solve is a loop of launches: every evaluation of the marginals is ``SPLITS`` programs per row, each over its own
+# chunk of the row, storing its partial masses and P P^T; then one program per row adds the partials and takes
+# the single-program kernel's next decision -- the second start, the Newton step, a halving, the stop -- and
+# names the next thresholds to evaluate. Each row's state lives in device memory between launches; a stopped
+# row's programs return at once. The host checks whether any row is still going every ``SPLIT_ROUNDS`` rounds (one
+# read back each time).
+# What a row's pending evaluation is for (its phase), and the row's stop.
+SPLIT_START, SPLIT_SECOND, SPLIT_TRIAL, SPLIT_DONE = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2),
+                                                      tl.constexpr(3))
+SPLIT_ROUNDS = 4
+# A row's float state: centre, eps, err, alpha; then MP each of c, tz, the thresholds to evaluate, dtz, the
+# second start's shift, s; then P P^T. Its int state: status, active anchors, iterations,
+# halvings, phase.
+SPLIT_SCALARS = tl.constexpr(4)
+
+
+@triton.jit
+def _split_state(state_ptr, row, MP: tl.constexpr):
+    """Pointers into a row's float state: (its start, the base of the MP-vectors, the base of P P^T)."""
+    base = state_ptr + row * (SPLIT_SCALARS + 6 * MP + MP * MP)
+    return base, base + SPLIT_SCALARS, base + SPLIT_SCALARS + 6 * MP
+
+
+@triton.jit
+def sorted_split_start_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, state_ptr, istate_ptr, n, k, bound,
+                              anchor_top, epsilon, HAS_MASK: tl.constexpr, PAPER: tl.constexpr,
+                              EPS_PER_ROW: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                              SATURATION: tl.constexpr, BAD_NAN: tl.constexpr, BAD_INF: tl.constexpr,
+                              BAD_SCALE: tl.constexpr):
+    """One program per row: the preparation (:func:`_sorted_start`), stored as the row's state, with its start
+    as the thresholds to evaluate first."""
+    row = tl.program_id(0)
+    lane = tl.arange(0, MP)
+    n_valid, status, eps, c, m_act, centre, tz = _sorted_start(
+        x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, row, n, k, bound, anchor_top, epsilon, HAS_MASK, PAPER,
+        EPS_PER_ROW, MP, BLOCK_N, SATURATION, BAD_NAN, BAD_INF, BAD_SCALE)
+    shift = tl.where((lane == k) & (n_valid > k), tl.log(tl.maximum(n_valid - k, 1).to(tl.float32)), 0.0)
+    base, vec, _ = _split_state(state_ptr, row, MP)
+    tl.store(base, centre)
+    tl.store(base + 1, eps)
+    tl.store(vec + lane, c)
+    tl.store(vec + MP + lane, tz)
+    tl.store(vec + 2 * MP + lane, tz)  # the thresholds to evaluate
+    tl.store(vec + 4 * MP + lane, shift)
+    tl.store(istate_ptr + row * 5, status)
+    tl.store(istate_ptr + row * 5 + 1, m_act)
+    tl.store(istate_ptr + row * 5 + 2, 0)  # iterations
+    tl.store(istate_ptr + row * 5 + 3, 0)  # halvings of the current step
+    tl.store(istate_ptr + row * 5 + 4, SPLIT_START)
+
+
+@triton.jit
+def sorted_split_evaluate_kernel(x_ptr, valid_ptr, state_ptr, istate_ptr, partial_ptr, n, bound, chunk,
+                                 HAS_MASK: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 LOGIT_CLAMP: tl.constexpr):
+    """Program (row, part): the masses and P P^T of the row's plan over its elements part * chunk ... at the
+    thresholds the row's state names, stored as the part's partial (nothing for a stopped row)."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    lane = tl.arange(0, MP)
+    if tl.load(istate_ptr + row * 5 + 4) != SPLIT_DONE:
+        base, vec, _ = _split_state(state_ptr, row, MP)
+        centre = tl.load(base)
+        eps = tl.load(base + 1)
+        trial = tl.load(vec + 2 * MP + lane)
+        m_act = tl.load(istate_ptr + row * 5 + 1)
+        s = tl.zeros((MP,), dtype=tl.float32)
+        ppt = tl.zeros((MP, MP), dtype=tl.float32)
+        for start in range(part * chunk, tl.minimum(n, (part + 1) * chunk), BLOCK_N):
+            p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, trial, m_act, HAS_MASK, MP, BLOCK_N,
+                           LOGIT_CLAMP)
+            s += tl.sum(p, axis=0)
+            ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
+        out = partial_ptr + (row * parts + part) * (MP + MP * MP)
+        tl.store(out + lane, s)
+        tl.store(out + MP + lane[:, None] * MP + lane[None, :], ppt)
+
+
+@triton.jit
+def sorted_split_step_kernel(state_ptr, istate_ptr, partial_ptr, info_ptr, status_ptr, parts, tol, max_iter,
+                             max_halvings, MP: tl.constexpr, MAX_STEP: tl.constexpr, NEAR_FLOOR: tl.constexpr,
+                             SECOND_START_ERROR: tl.constexpr, RIDGE_ULPS: tl.constexpr, CAPPED: tl.constexpr):
+    """One program per row: the partials added up, then the single-program kernel's decision on them (the second
+    start, a step's acceptance or halving, the next Newton step, the stop), the next thresholds to evaluate and,
+    at the stop, the row's info and status."""
+    row = tl.program_id(0)
+    lane = tl.arange(0, MP)
+    phase = tl.load(istate_ptr + row * 5 + 4)
+    if phase != SPLIT_DONE:
+        base, vec, ppt_ptr = _split_state(state_ptr, row, MP)
+        square = lane[:, None] * MP + lane[None, :]
+        status = tl.load(istate_ptr + row * 5)
+        m_act = tl.load(istate_ptr + row * 5 + 1)
+        it = tl.load(istate_ptr + row * 5 + 2)
+        tries = tl.load(istate_ptr + row * 5 + 3)
+        c = tl.load(vec + lane)
+        trial = tl.load(vec + 2 * MP + lane)
+        s_t = tl.zeros((MP,), dtype=tl.float32)
+        ppt_t = tl.zeros((MP, MP), dtype=tl.float32)
+        for part in range(0, parts):
+            src = partial_ptr + (row * parts + part) * (MP + MP * MP)
+            s_t += tl.load(src + lane)
+            ppt_t += tl.load(src + MP + square)
+        err_t = tl.max(tl.where((lane < m_act) & (c > 0), tl.abs(s_t - c) / tl.maximum(c, 1.0), 0.0), axis=0)
+        # the evaluated thresholds are taken: the start always; the second start if it fits the masses better; a
+        # Newton step's try if it does, or if it is within tol
+        take = (phase == SPLIT_START) | (err_t < tl.load(base + 2)) | ((phase == SPLIT_TRIAL) & (err_t <= tol))
+        err = tl.where(take, err_t, tl.load(base + 2))
+        tz = tl.where(take, trial, tl.load(vec + MP + lane))
+        s = tl.where(take, s_t, tl.load(vec + 5 * MP + lane))
+        ppt = tl.where(take, ppt_t, tl.load(ppt_ptr + square))
+        tl.store(base + 2, err)
+        tl.store(vec + MP + lane, tz)
+        tl.store(vec + 5 * MP + lane, s)
+        tl.store(ppt_ptr + square, ppt)
+        # what comes next: another evaluation (the second start, a halved step), or the next Newton step
+        second = (phase == SPLIT_START) & (err > SECOND_START_ERROR)
+        trying = phase == SPLIT_TRIAL
+        alpha = tl.load(base + 3) * 0.5
+        tries = tl.where(trying, tries + 1, tries)
+        halve = trying & ~take & (tries < max_halvings) & ((err >= NEAR_FLOOR) | (tries < 2))
+        step_over = trying & ~halve  # accepted, or no halving helped (the row's rounding floor)
+        it = tl.where(step_over, it + 1, it)
+        going = tl.where(step_over, (err > tol) & take, (err > tol) & (status == 0))
+        if second:
+            tl.store(vec + 2 * MP + lane, tz + tl.load(vec + 4 * MP + lane))
+        if halve:
+            tl.store(base + 3, alpha)
+            tl.store(vec + 2 * MP + lane, tz + alpha * tl.load(vec + 3 * MP + lane))
+        tl.store(istate_ptr + row * 5 + 2, it)
+        tl.store(istate_ptr + row * 5 + 3, tries)
+        tl.store(istate_ptr + row * 5 + 4, tl.where(second, SPLIT_SECOND, phase))
+        if (phase != SPLIT_TRIAL) & ~second | step_over:  # the next Newton step, or the stop
+            if going & (it < max_iter) & (max_halvings > 0):
+                step, dtz = _newton_direction(s, ppt, c, m_act, MP, MAX_STEP, RIDGE_ULPS)
+                tl.store(base + 3, step)
+                tl.store(vec + 3 * MP + lane, dtz)
+                tl.store(vec + 2 * MP + lane, tz + step * dtz)
+                tl.store(istate_ptr + row * 5 + 3, 0)
+                tl.store(istate_ptr + row * 5 + 4, SPLIT_TRIAL)
+            else:
+                it += tl.where(going & (it < max_iter), 1, 0)  # (max_halvings 0: a step that could not be tried)
+                tl.store(info_ptr + row * 2, it.to(tl.float32))
+                tl.store(info_ptr + row * 2 + 1, err)
+                _store_capped(status_ptr, row, status, it, err, tol, max_iter, CAPPED)
+                tl.store(istate_ptr + row * 5 + 2, it)
+                tl.store(istate_ptr + row * 5 + 4, SPLIT_DONE)
+
+
+@triton.jit
+def sorted_split_output_kernel(x_ptr, valid_ptr, state_ptr, istate_ptr, out_ptr, n, k, bound, chunk,
+                               HAS_MASK: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                               LOGIT_CLAMP: tl.constexpr):
+    """Program (row, part): the output over the part's elements, the plan at the row's solution (NaN for a bad
+    row, as the single-program kernel)."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    lane = tl.arange(0, MP)
+    base, vec, _ = _split_state(state_ptr, row, MP)
+    centre = tl.load(base)
+    eps = tl.load(base + 1)
+    tz = tl.load(vec + MP + lane)
+    status = tl.load(istate_ptr + row * 5)
+    m_act = tl.load(istate_ptr + row * 5 + 1)
+    for start in range(part * chunk, tl.minimum(n, (part + 1) * chunk), BLOCK_N):
+        p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
+                       LOGIT_CLAMP)
+        p = tl.where(status == 0, p, float("nan"))
         offs_n = start + tl.arange(0, BLOCK_N)
         ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
         tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
@@ -671,13 +872,14 @@ def _backward_temperature(eps, at, slope, eps_grad, placeholder):
 
 @ensure_contiguous
 def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_HALVINGS, block=None,
-            num_warps=None):
+            num_warps=None, parts=None):
     """Launch the sorted forward on raw scores ``x`` (rows, n) float32 (``-inf`` excluded), the caller's ``mask``
     (rows, n) bool or None, and the temperature: a per-row ``eps`` (rows,), one number for every row, or
     ``paper = (anchor_top, epsilon)``, the paper scaling's parameters (``eps`` None: computed). Returns (out
     (rows, n, k), info (rows, 2), status (rows,) int32 -- ``kernel_interface.REFUSAL_BITS`` and ``CAPPED`` --,
     eps, at, slope); ``at`` and ``slope`` are None without ``paper``. ``block``/``num_warps``: launch parameters
-    (default: :func:`block_n`, :func:`warps_for`)."""
+    (default: :func:`block_n`, :func:`warps_for`); ``parts``: programs per row (default :func:`split_parts`; more
+    than one: the split solve, :func:`_split_forward`)."""
     rows, n = x.shape
     mp = padded_anchors(k + 1)
     block = block or block_n(n, mp)
@@ -685,6 +887,11 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_
     info = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
     eps, at, slope, eps_arg, anchor_top, epsilon, per_row = _temperature(x, eps, paper, info)
+    parts = parts or split_parts(rows, n, block, x.device)
+    if parts > 1:
+        _split_forward(x, mask, eps_arg, at, slope, out, info, status, k, bound, tol, max_iter, max_halvings,
+                       anchor_top, epsilon, paper is not None, per_row, mp, block, num_warps, parts)
+        return out, info, status, eps, at, slope
     soft_topk_forward_kernel[(rows,)](
         x, mask if mask is not None else x, eps_arg, at if at is not None else info,
         slope if slope is not None else info, out, info, status, n, k, float(bound), float(tol), int(max_iter),
@@ -692,6 +899,50 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_
         EPS_PER_ROW=per_row, MP=mp, BLOCK_N=block, num_warps=num_warps or warps_for(block, mp),
         SATURATION=SATURATION, CAPPED=CAPPED, **REFUSAL_BITS, **KERNEL_CONSTANTS)
     return out, info, status, eps, at, slope
+
+
+def split_parts(rows: int, n: int, block: int, device: torch.device) -> int:
+    """Programs per row of the sorted forward: one, unless the rows are too few to keep half of the GPU's SMs busy
+    and long enough to give each program at least four blocks; then enough to fill about two programs per SM."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if rows >= sms // 2:
+        return 1
+    return max(1, min(triton.cdiv(n, 4 * block), (2 * sms) // max(rows, 1)))
+
+
+def _split_forward(x, mask, eps_arg, at, slope, out, info, status, k, bound, tol, max_iter, max_halvings,
+                   anchor_top, epsilon, paper, per_row, mp, block, num_warps, parts):
+    """The sorted forward with ``parts`` programs per row (the split kernels above): the start, then rounds of
+    an evaluation (rows x parts programs) and a step (one per row) until every row has stopped -- asked every
+    ``SPLIT_ROUNDS`` rounds --, then the output. Writes out, info, status (and eps, at, slope with ``paper``)."""
+    rows, n = x.shape
+    chunk = triton.cdiv(triton.cdiv(n, parts), block) * block  # (whole blocks: no block straddles two parts)
+    parts = triton.cdiv(n, chunk)
+    state = torch.zeros((rows, SPLIT_SCALARS.value + 6 * mp + mp * mp), dtype=torch.float32, device=x.device)
+    istate = torch.zeros((rows, 5), dtype=torch.int32, device=x.device)
+    partial = torch.empty((rows, parts, mp + mp * mp), dtype=torch.float32, device=x.device)
+    valid = mask if mask is not None else x
+    warps = num_warps or warps_for(block, mp)
+    consts = dict(HAS_MASK=mask is not None, MP=mp, BLOCK_N=block, num_warps=warps,
+                  LOGIT_CLAMP=KERNEL_CONSTANTS["LOGIT_CLAMP"])
+    sorted_split_start_kernel[(rows,)](
+        x, valid, eps_arg, at if at is not None else info, slope if slope is not None else info, state, istate, n, k,
+        float(bound), float(anchor_top), float(epsilon), HAS_MASK=mask is not None, PAPER=paper, EPS_PER_ROW=per_row,
+        MP=mp, BLOCK_N=block, num_warps=warps, SATURATION=SATURATION, **REFUSAL_BITS)
+    step_consts = {name: KERNEL_CONSTANTS[name] for name in ("MAX_STEP", "NEAR_FLOOR", "SECOND_START_ERROR",
+                                                             "RIDGE_ULPS")}
+    # every round moves every going row by one evaluation: this many rounds stop every row
+    for _ in range(0, 2 + int(max_iter) * max(int(max_halvings), 0) + SPLIT_ROUNDS, SPLIT_ROUNDS):
+        for _ in range(SPLIT_ROUNDS):
+            sorted_split_evaluate_kernel[(rows, parts)](x, valid, state, istate, partial, n, float(bound), chunk,
+                                                        **consts)
+            sorted_split_step_kernel[(rows,)](state, istate, partial, info, status, parts, float(tol), int(max_iter),
+                                              int(max_halvings), MP=mp, CAPPED=CAPPED, **step_consts)
+        if not bool((istate[:, 4] != SPLIT_DONE.value).any()):  # (one read back)
+            break
+    sorted_split_output_kernel[(rows, parts)](x, valid, state, istate, out, n, k, float(bound), chunk, **consts)
 
 
 @ensure_contiguous
