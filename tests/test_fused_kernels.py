@@ -790,12 +790,12 @@ def test_triton_sorted_forward_split_across_programs_matches_one_program_per_row
     k = 5
     eps, temperature = (None, (top_anchor(k, True), 0.1)) if paper else (0.1, None)
     args = (x, mask, eps, k, score_bound(torch.float32, k))
-    for tol, max_iter in ((1e-6, 50), (1e-12, 1)):
+    for tol, max_iter in ((1e-6, 50), (1e-12, 1), (1e-6, 0)):  # (max_iter 0: the start, reported capped)
         one = tk.forward(*args, tol, max_iter, temperature, parts=1)
         split = tk.forward(*args, tol, max_iter, temperature, parts=3)
         assert torch.equal(one[2], split[2])  # status: the same bits per row
         assert bool(split[2][2] & BAD_NAN) and bool(split[0][2].isnan().all())
-        assert bool((split[2][[0, 1, 3]] & CAPPED != 0).all()) == (max_iter == 1)
+        assert bool((split[2][[0, 1]] & CAPPED != 0).all()) == (max_iter <= 1)
         torch.testing.assert_close(split[0], one[0], atol=2e-6, rtol=0, equal_nan=True)
         assert (one[1][:, 0] - split[1][:, 0]).abs().max() <= 1
         for a, b in zip(one[3:], split[3:]):  # the paper scaling's eps, at, slope
@@ -844,3 +844,23 @@ def test_the_split_sorted_forward_launches_by_rounds_and_reads_one_flag_per_chec
     steps = int(info[:, 0].max())
     assert checks * tk.SPLIT_ROUNDS >= 1 + steps and (checks - 1) * tk.SPLIT_ROUNDS < 2 + steps * tk.MAX_HALVINGS
     assert bool(torch.isfinite(out).all())
+
+
+def test_cpu_sorted_groups_follow_the_row_by_row_solve_without_halvings():
+    """``max_halvings`` 0 allows no try of a Newton step: the grouped sorted solve stops after one counted step at
+    its start, as the row-by-row solve does (and the same output)."""
+    from softtopk_fairseq.ops import backends, cpu_kernels
+    from softtopk_fairseq.ops.backends import score_bound
+
+    if backends.CPU.usable() is not None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(5)
+    x = torch.randn(16, 32)  # one group
+    eps = torch.full((16,), 0.1)
+    args = (None, eps, 3, score_bound(torch.float32, 3), 1e-6, 50)
+    out, info = cpu_kernels.forward(x, *args, max_halvings=0)[:2]
+    assert bool((info[:, 0] == 1).all()), info[:, 0]
+    for r in range(16):
+        alone, info_r = cpu_kernels.forward(x[r:r + 1], None, eps[r:r + 1], *args[2:], max_halvings=0)[:2]
+        torch.testing.assert_close(out[r:r + 1], alone, atol=1e-6, rtol=0)
+        assert float(info_r[0, 0]) == 1.0

@@ -232,6 +232,10 @@ def test_module_wrapper():
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "broadcast"),
     (dict(scaling="batch"), ValueError, "scaling"),
     (dict(method="lbfgs"), ValueError, "method"),
+    (dict(tol=-1e-6), ValueError, r"tol must be a finite number >= 0 \(0: exactly max_iter steps\), got -1e-06"),
+    (dict(tol=float("nan")), ValueError, "tol must be"),
+    (dict(max_iter=-1), ValueError, "max_iter must be an int >= 0, got -1"),
+    (dict(max_iter=2.5), ValueError, "max_iter must be an int"),
     (dict(dim=2), ValueError, r"dim=2 is out of range for scores with 2 dimension\(s\) \(valid: -2..1\)"),
     (dict(dim=-3), ValueError, "dim=-3 is out of range"),
 ])

@@ -278,8 +278,12 @@ def _warn_if_capped(info: Tensor, tol: float, max_iter: int) -> None:
                 RuntimeWarning, stacklevel=3)
 
 
-def _validate(scores, k, epsilon, scaling, method, backend, mask, dim):
+def _validate(scores, k, epsilon, scaling, method, backend, mask, dim, tol, max_iter):
     check_selection("soft_topk", scores, k, dim, "epsilon", epsilon, mask)
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf):
+        raise ValueError(f"soft_topk: tol must be a finite number >= 0 (0: exactly max_iter steps), got {tol!r}")
+    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0):
+        raise ValueError(f"soft_topk: max_iter must be an int >= 0, got {max_iter!r}")
     if scaling not in SCALINGS:
         raise ValueError(f"soft_topk: scaling must be one of {SCALINGS}, got {scaling!r}")
     if method not in METHODS:
@@ -437,7 +441,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
             if backends.resolve(backend) != "auto":
                 raise
             backends.fall_back(impl, str(e))
-    _validate(scores, k, epsilon, scaling, method, backend, mask, dim)
+    _validate(scores, k, epsilon, scaling, method, backend, mask, dim, tol, max_iter)
     dim = dim % scores.dim()
     in_dtype = scores.dtype
     compute_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32

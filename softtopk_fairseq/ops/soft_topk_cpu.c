@@ -360,9 +360,11 @@ static inline void restore_subnormals(subnormals_off s) {
 
 #define PARALLEL_MIN_WORK 4096  /* rows x n below this run on the calling thread: waking a team costs more */
 
-static int parallel_rows(int64_t rows, int64_t n, int mp, int threads, row_fn fn, const void *ctx) {
+/* (rows: the tasks fn is called for, each of rows_per_task rows of the batch -- GROUP for the grouped solves) */
+static int parallel_rows(int64_t rows, int64_t rows_per_task, int64_t n, int mp, int threads, row_fn fn,
+                         const void *ctx) {
     int failed = 0;
-    if (rows * (n > 0 ? n : 1) < PARALLEL_MIN_WORK || rows < 2) threads = 1;
+    if (rows * rows_per_task * (n > 0 ? n : 1) < PARALLEL_MIN_WORK || rows < 2) threads = 1;
     int chunk = (int)(rows / (8 * (int64_t)threads));
     chunk = chunk < 1 ? 1 : (chunk > 64 ? 64 : chunk);
 #pragma omp parallel num_threads(threads)
@@ -534,7 +536,7 @@ int soft_topk_sorted_backward(const float *out, const float *gout, const uint8_t
     if (!y) return OUT_OF_MEMORY;
     for (int l = 0; l <= k; l++) y[l] = (float)(k - l) - 0.5f * (float)k;  /* solvers.centred_anchors */
     sorted_backward_args a = {out, gout, x, eps, y, mask, grad, grad_eps, n, k, epsilon};
-    int failed = parallel_rows(rows, n, k + 1, threads, sorted_backward_task, &a);
+    int failed = parallel_rows(rows, 1, n, k + 1, threads, sorted_backward_task, &a);
     free(y);
     return failed;
 }
@@ -1298,8 +1300,9 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
     int64_t groups = (n <= GROUP_ROW && kk <= SHORT_ROW_TOP) ? rows / GROUP : 0;
     forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, 0, tol, &status, groups * GROUP,
                       at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
-    if (groups > 0) status |= parallel_rows(groups, n, 2, threads, unsorted_group_task, &a);
-    if (rows > groups * GROUP) status |= parallel_rows(rows - groups * GROUP, n, 2, threads, unsorted_forward_task, &a);
+    if (groups > 0) status |= parallel_rows(groups, GROUP, n, 2, threads, unsorted_group_task, &a);
+    if (rows > groups * GROUP)
+        status |= parallel_rows(rows - groups * GROUP, 1, n, 2, threads, unsorted_forward_task, &a);
     return status;
 }
 
@@ -1528,10 +1531,11 @@ static void sorted_group_task(int64_t g, workspace *w, const void *ctx) {
                         a->max_iter, a->max_halvings, a->out + r * n * k, a->info + 2 * r, w);
             note_capped(a, a->info + 2 * r);
         }
-        if (in[q]) normalise_row(a->x + r * n, valid, n, centre, row_eps(a, r), a->bound, w->u, w->wv);
-        for (int64_t j = 0; j < n; j++) {
-            ut[j * GROUP + q] = in[q] ? w->u[j] : 0.0f;
-            wt[j * GROUP + q] = in[q] ? w->wv[j] : 0.0f;
+        if (in[q]) {
+            normalise_row(a->x + r * n, valid, n, centre, row_eps(a, r), a->bound, w->u, w->wv);
+            for (int64_t j = 0; j < n; j++) { ut[j * GROUP + q] = w->u[j]; wt[j * GROUP + q] = w->wv[j]; }
+        } else {  /* (weights 0: the lane's sums stay harmless) */
+            for (int64_t j = 0; j < n; j++) { ut[j * GROUP + q] = 0.0f; wt[j * GROUP + q] = 0.0f; }
         }
         for (int l = 0; l < mp; l++) {
             tz[l][q] = in[q] ? tz0[l] : 0.0f;
@@ -1571,7 +1575,7 @@ static void sorted_group_task(int64_t g, workspace *w, const void *ctx) {
             for (int l = 0; l < mp; l++) dtz[l][q] = l >= 1 ? (float)(dh[l][q] - dh[l - 1][q]) : 0.0f;
             tries[q] = 0;
             accepted[q] = 0;
-            searching[q] = active[q];
+            searching[q] = active[q] && a->max_halvings > 0;  /* (none allowed: the step is not tried) */
             trying |= active[q];
         }
         while (trying) {
@@ -1631,9 +1635,9 @@ int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, fl
     int64_t groups = (n <= SORTED_GROUP_ROW && k + 1 <= SORTED_GROUP_ANCHORS) ? rows / GROUP : 0;
     forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, max_halvings, tol, &status, groups * GROUP,
                       at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
-    if (groups > 0) status |= parallel_rows(groups, n, k + 1, threads, sorted_group_task, &a);
+    if (groups > 0) status |= parallel_rows(groups, GROUP, n, k + 1, threads, sorted_group_task, &a);
     if (rows > groups * GROUP)
-        status |= parallel_rows(rows - groups * GROUP, n, k + 1, threads, sorted_forward_task, &a);
+        status |= parallel_rows(rows - groups * GROUP, 1, n, k + 1, threads, sorted_forward_task, &a);
     return status;
 }
 
@@ -1779,6 +1783,6 @@ int soft_topk_unsorted_backward(const float *out, const float *gout, const uint8
                                 const float *x, float *grad, float *grad_eps, int64_t rows, int64_t n, float epsilon,
                                 const int64_t *at, const float *slope, int threads) {
     unsorted_backward_args a = {out, gout, eps, x, mask, grad, grad_eps, n, epsilon, at, slope};
-    return parallel_rows(rows, n, 2, threads, unsorted_backward_task, &a);
+    return parallel_rows(rows, 1, n, 2, threads, unsorted_backward_task, &a);
 }
 

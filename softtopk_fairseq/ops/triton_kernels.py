@@ -484,6 +484,8 @@ def sorted_split_step_kernel(state_ptr, istate_ptr, partial_ptr, info_ptr, statu
         tz = tl.where(take, trial, tl.load(vec + MP + lane))
         s = tl.where(take, s_t, tl.load(vec + 5 * MP + lane))
         ppt = tl.where(take, ppt_t, tl.load(ppt_ptr + square))
+        alpha = tl.load(base + 3) * 0.5
+        tl.debug_barrier()  # every thread has read the row's state before any overwrites it
         tl.store(base + 2, err)
         tl.store(vec + MP + lane, tz)
         tl.store(vec + 5 * MP + lane, s)
@@ -491,7 +493,6 @@ def sorted_split_step_kernel(state_ptr, istate_ptr, partial_ptr, info_ptr, statu
         # what comes next: another evaluation (the second start, a halved step), or the next Newton step
         second = (phase == SPLIT_START) & (err > SECOND_START_ERROR)
         trying = phase == SPLIT_TRIAL
-        alpha = tl.load(base + 3) * 0.5
         tries = tl.where(trying, tries + 1, tries)
         halve = trying & ~take & (tries < max_halvings) & ((err >= NEAR_FLOOR) | (tries < 2))
         step_over = trying & ~halve  # accepted, or no halving helped (the row's rounding floor)
@@ -888,7 +889,7 @@ def forward(x, mask, eps, k, bound, tol, max_iter, paper=None, max_halvings=MAX_
     status = torch.empty((rows,), dtype=torch.int32, device=x.device)
     eps, at, slope, eps_arg, anchor_top, epsilon, per_row = _temperature(x, eps, paper, info)
     parts = parts or split_parts(rows, n, block, x.device)
-    if parts > 1:
+    if parts > 1 and n > 0:
         _split_forward(x, mask, eps_arg, at, slope, out, info, status, k, bound, tol, max_iter, max_halvings,
                        anchor_top, epsilon, paper is not None, per_row, mp, block, num_warps, parts)
         return out, info, status, eps, at, slope
@@ -934,7 +935,7 @@ def _split_forward(x, mask, eps_arg, at, slope, out, info, status, k, bound, tol
     step_consts = {name: KERNEL_CONSTANTS[name] for name in ("MAX_STEP", "NEAR_FLOOR", "SECOND_START_ERROR",
                                                              "RIDGE_ULPS")}
     # every round moves every going row by one evaluation: this many rounds stop every row
-    for _ in range(0, 2 + int(max_iter) * max(int(max_halvings), 0) + SPLIT_ROUNDS, SPLIT_ROUNDS):
+    for _ in range(0, 2 + max(int(max_iter), 0) * max(int(max_halvings), 0) + SPLIT_ROUNDS, SPLIT_ROUNDS):
         for _ in range(SPLIT_ROUNDS):
             sorted_split_evaluate_kernel[(rows, parts)](x, valid, state, istate, partial, n, float(bound), chunk,
                                                         **consts)
