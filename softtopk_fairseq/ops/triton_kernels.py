@@ -85,19 +85,34 @@ def _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, H
 
 
 @triton.jit
-def _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK: tl.constexpr,
-              MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
-    """Anchor masses s (MP,), P P^T (MP, MP) and the max relative marginal error for thresholds tz."""
+def _plan_sums(x_ptr, valid_ptr, row, n, lo, hi, centre, eps, bound, tz, m_act, HAS_MASK: tl.constexpr,
+               MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
+    """Anchor masses s (MP,) and P P^T (MP, MP) of the plan at thresholds tz over the row's elements lo..hi (lo a
+    multiple of BLOCK_N, and hi too unless it is n)."""
     s = tl.zeros((MP,), dtype=tl.float32)
     ppt = tl.zeros((MP, MP), dtype=tl.float32)
-    for start in range(0, n, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
                        LOGIT_CLAMP)
         s += tl.sum(p, axis=0)
         ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
+    return s, ppt
+
+
+@triton.jit
+def _marginal_error(s, c, m_act, MP: tl.constexpr):
+    """The max relative marginal error |s - c| / max(c, 1) over the active anchors."""
     lane = tl.arange(0, MP)
-    err = tl.max(tl.where((lane < m_act) & (c > 0), tl.abs(s - c) / tl.maximum(c, 1.0), 0.0), axis=0)
-    return s, ppt, err
+    return tl.max(tl.where((lane < m_act) & (c > 0), tl.abs(s - c) / tl.maximum(c, 1.0), 0.0), axis=0)
+
+
+@triton.jit
+def _evaluate(x_ptr, valid_ptr, row, n, centre, eps, bound, tz, m_act, c, HAS_MASK: tl.constexpr,
+              MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
+    """Anchor masses s (MP,), P P^T (MP, MP) and the max relative marginal error for thresholds tz."""
+    s, ppt = _plan_sums(x_ptr, valid_ptr, row, n, 0, n, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
+                        LOGIT_CLAMP)
+    return s, ppt, _marginal_error(s, c, m_act, MP)
 
 
 @triton.jit
@@ -265,6 +280,21 @@ def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
 
 
 @triton.jit
+def _store_output(x_ptr, valid_ptr, out_ptr, row, n, k, lo, hi, centre, eps, bound, tz, m_act, status,
+                  HAS_MASK: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_CLAMP: tl.constexpr):
+    """The sorted output over the row's elements lo..hi (as :func:`_plan_sums`): the plan at thresholds tz, its
+    first k anchors; NaN for a bad row (status set: what check_errors=False returns)."""
+    lane = tl.arange(0, MP)
+    for start in range(lo, hi, BLOCK_N):
+        p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
+                       LOGIT_CLAMP)
+        p = tl.where(status == 0, p, float("nan"))
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
+        tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
+
+
+@triton.jit
 def _newton_direction(s, ppt, c, m_act, MP: tl.constexpr, MAX_STEP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     """The damped Newton step's first try (solvers.newton_semi_dual): (alpha, dtz), the thresholds' move dtz
     scaled by alpha so that no potential moves by more than MAX_STEP (the trust region)."""
@@ -361,18 +391,13 @@ def soft_topk_forward_kernel(x_ptr, valid_ptr, eps_ptr, at_ptr, slope_ptr, out_p
     tl.store(info_ptr + row * 2, it.to(tl.float32))
     tl.store(info_ptr + row * 2 + 1, err)
     _store_capped(status_ptr, row, status, it, err, tol, max_iter, CAPPED)
-    for start in range(0, n, BLOCK_N):
-        p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
-                       LOGIT_CLAMP)
-        p = tl.where(status == 0, p, float("nan"))  # a bad row: NaN (what check_errors=False returns)
-        offs_n = start + tl.arange(0, BLOCK_N)
-        ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
-        tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
+    _store_output(x_ptr, valid_ptr, out_ptr, row, n, k, 0, n, centre, eps, bound, tz, m_act, status, HAS_MASK, MP,
+                  BLOCK_N, LOGIT_CLAMP)
 
 
 # ---- the sorted forward split across programs ---------------------------------------------------------------
 # A few long rows (the beam search's 8 x 50000) leave a one-program-per-row kernel with a few SMs busy. Split, the
-# solve is a loop of launches: every evaluation of the marginals is ``SPLITS`` programs per row, each over its own
+# solve is a loop of launches: every evaluation of the marginals is ``parts`` programs per row, each over its own
 # chunk of the row, storing its partial masses and P P^T; then one program per row adds the partials and takes
 # the single-program kernel's next decision -- the second start, the Newton step, a halving, the stop -- and
 # names the next thresholds to evaluate. Each row's state lives in device memory between launches; a stopped
@@ -439,13 +464,8 @@ def sorted_split_evaluate_kernel(x_ptr, valid_ptr, state_ptr, istate_ptr, partia
         eps = tl.load(base + 1)
         trial = tl.load(vec + 2 * MP + lane)
         m_act = tl.load(istate_ptr + row * 5 + 1)
-        s = tl.zeros((MP,), dtype=tl.float32)
-        ppt = tl.zeros((MP, MP), dtype=tl.float32)
-        for start in range(part * chunk, tl.minimum(n, (part + 1) * chunk), BLOCK_N):
-            p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, trial, m_act, HAS_MASK, MP, BLOCK_N,
-                           LOGIT_CLAMP)
-            s += tl.sum(p, axis=0)
-            ppt += tl.sum(p[:, :, None] * p[:, None, :], axis=0)
+        s, ppt = _plan_sums(x_ptr, valid_ptr, row, n, part * chunk, tl.minimum(n, (part + 1) * chunk), centre, eps,
+                            bound, trial, m_act, HAS_MASK, MP, BLOCK_N, LOGIT_CLAMP)
         out = partial_ptr + (row * parts + part) * (MP + MP * MP)
         tl.store(out + lane, s)
         tl.store(out + MP + lane[:, None] * MP + lane[None, :], ppt)
@@ -476,7 +496,7 @@ def sorted_split_step_kernel(state_ptr, istate_ptr, partial_ptr, info_ptr, statu
             src = partial_ptr + (row * parts + part) * (MP + MP * MP)
             s_t += tl.load(src + lane)
             ppt_t += tl.load(src + MP + square)
-        err_t = tl.max(tl.where((lane < m_act) & (c > 0), tl.abs(s_t - c) / tl.maximum(c, 1.0), 0.0), axis=0)
+        err_t = _marginal_error(s_t, c, m_act, MP)
         # the evaluated thresholds are taken: the start always; the second start if it fits the masses better; a
         # Newton step's try if it does, or if it is within tol
         take = (phase == SPLIT_START) | (err_t < tl.load(base + 2)) | ((phase == SPLIT_TRIAL) & (err_t <= tol))
@@ -538,13 +558,8 @@ def sorted_split_output_kernel(x_ptr, valid_ptr, state_ptr, istate_ptr, out_ptr,
     tz = tl.load(vec + MP + lane)
     status = tl.load(istate_ptr + row * 5)
     m_act = tl.load(istate_ptr + row * 5 + 1)
-    for start in range(part * chunk, tl.minimum(n, (part + 1) * chunk), BLOCK_N):
-        p = _plan_tile(x_ptr, valid_ptr, row, n, start, centre, eps, bound, tz, m_act, HAS_MASK, MP, BLOCK_N,
-                       LOGIT_CLAMP)
-        p = tl.where(status == 0, p, float("nan"))
-        offs_n = start + tl.arange(0, BLOCK_N)
-        ptrs = out_ptr + (row * n + offs_n[:, None]) * k + lane[None, :]
-        tl.store(ptrs, p, mask=(offs_n[:, None] < n) & (lane[None, :] < k))
+    _store_output(x_ptr, valid_ptr, out_ptr, row, n, k, part * chunk, tl.minimum(n, (part + 1) * chunk), centre, eps,
+                  bound, tz, m_act, status, HAS_MASK, MP, BLOCK_N, LOGIT_CLAMP)
 
 
 @triton.jit
