@@ -579,3 +579,22 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys,
             assert re.search(rf"\| {re.escape(comparison)} \| en-fr \| {subset} \| 1 \| [-+]\d+\.\d\d \| "
                              r"(\d\.\d{3}|<0\.001) / (\d\.\d{3}|<0\.001) \|", table_), (comparison, subset)
     assert "Pruning on pruning.rnnsearch.seed1" in table_ and "| paper | exact |" in table_
+
+
+def test_the_study_summary_claims_one_seed_as_one_seed_and_pools_several(monkeypatch):
+    """The summary's claim for a comparison: one seed's own paired test, said to be one seed's; pooled p-values
+    once there are several; "not measured yet" without any."""
+    monkeypatch.syspath_prepend(os.path.dirname(CONVERGED))  # (report imports significance beside it)
+    report = load("multi30k_converged_report", os.path.join(os.path.dirname(CONVERGED), "report.py"))
+    from significance import Comparison
+
+    def comparison(delta, p):
+        tests = {"bootstrap": p, "randomisation": 2 * p}
+        return Comparison({"BLEU": 30.0}, {"BLEU": 30.0 + delta}, {"BLEU": tests})
+
+    one = report.Result([1], [comparison(-0.04, 0.374)], None)
+    assert report._pooled_claim(one) == "BLEU -0.04 on seed 1 alone (p 0.374 bootstrap, 0.748 randomisation)"
+    three = report.Result([1, 2, 3], [comparison(d, 0.2) for d in (0.5, 0.3, -0.1)], comparison(0.23, 0.01))
+    assert report._pooled_claim(three) == ("BLEU +0.23 (pooled p 0.010 bootstrap, 0.020 randomisation; higher on "
+                                           "2 of 3 seeds)")
+    assert report._pooled_claim(None, "chrF") == "chrF not measured yet"

@@ -339,8 +339,12 @@ def _signs(result: Result, metric: str) -> str:
 
 
 def _pooled_claim(result: Optional[Result], metric: str = "BLEU") -> str:
-    if result is None or result.pooled is None:
-        return "not measured yet"
+    if result is None:
+        return f"{metric} not measured yet"
+    if result.pooled is None:  # one seed: its own paired test, no pooling
+        p = result.per_seed[0].p[metric]
+        return (f"{metric} {result.per_seed[0].delta(metric):+.2f} on seed {result.seeds[0]} alone (p "
+                f"{_p(p['bootstrap'])} bootstrap, {_p(p['randomisation'])} randomisation)")
     p = result.pooled.p[metric]
     return (f"{metric} {result.pooled.delta(metric):+.2f} (pooled p {_p(p['bootstrap'])} bootstrap, "
             f"{_p(p['randomisation'])} randomisation; higher on {_signs(result, metric)})")
