@@ -1317,8 +1317,7 @@ int soft_topk_unsorted_forward(const float *x, const uint8_t *mask, float *eps, 
  * than forward_row's (SORTED_GROUP_CHUNK elements in float, then in double), so a row's result agrees with its
  * row-by-row solve to the solver's tolerance, not bit for bit. Rows with at most k valid scores (fewer active
  * anchors) go row by row. */
-#define SORTED_GROUP_ROW 64     /* rows up to this long ... */
-#define SORTED_GROUP_ANCHORS 8  /* ... with k + 1 at most this go by groups */
+#define SORTED_GROUP_ANCHORS 8  /* rows up to GROUP_ROW long with k + 1 at most this go by groups */
 #define SORTED_GROUP_CHUNK 8
 #define SORTED_GROUP_PAIRS (SORTED_GROUP_ANCHORS * (SORTED_GROUP_ANCHORS - 1) / 2)  /* (the free anchors') */
 
@@ -1507,10 +1506,10 @@ static void sorted_group_task(int64_t g, workspace *w, const void *ctx) {
     const forward_args *a = ctx;
     int64_t n = a->n, r0 = g * GROUP;
     int k = a->k, mp = k + 1;
-    float ut[SORTED_GROUP_ROW * GROUP], wt[SORTED_GROUP_ROW * GROUP];
+    float ut[GROUP_ROW * GROUP], wt[GROUP_ROW * GROUP];
     float tz[SORTED_GROUP_ANCHORS][GROUP], tz_t[SORTED_GROUP_ANCHORS][GROUP], dtz[SORTED_GROUP_ANCHORS][GROUP];
     float shift[SORTED_GROUP_ANCHORS][GROUP], c[SORTED_GROUP_ANCHORS][GROUP];
-    float plan[SORTED_GROUP_ROW * SORTED_GROUP_ANCHORS][GROUP];
+    float plan[GROUP_ROW * SORTED_GROUP_ANCHORS][GROUP];
     double s[SORTED_GROUP_ANCHORS][GROUP], s_t[SORTED_GROUP_ANCHORS][GROUP];
     double rhs[SORTED_GROUP_ANCHORS][GROUP], dh[SORTED_GROUP_ANCHORS][GROUP];
     double ppt[SORTED_GROUP_ANCHORS * SORTED_GROUP_ANCHORS][GROUP];
@@ -1632,7 +1631,7 @@ int soft_topk_sorted_forward(const float *x, const uint8_t *mask, float *eps, fl
                              int64_t rows, int64_t n, int k, double tol, int max_iter, int max_halvings,
                              float anchor_top, float epsilon, int64_t *at, float *slope, int threads) {
     int status = 0;
-    int64_t groups = (n <= SORTED_GROUP_ROW && k + 1 <= SORTED_GROUP_ANCHORS) ? rows / GROUP : 0;
+    int64_t groups = (n <= GROUP_ROW && k + 1 <= SORTED_GROUP_ANCHORS) ? rows / GROUP : 0;
     forward_args a = {x, eps, mask, bound, out, info, n, k, max_iter, max_halvings, tol, &status, groups * GROUP,
                       at != NULL && slope != NULL, anchor_top, epsilon, at, slope};
     if (groups > 0) status |= parallel_rows(groups, GROUP, n, k + 1, threads, sorted_group_task, &a);
