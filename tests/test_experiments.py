@@ -598,3 +598,47 @@ def test_the_study_summary_claims_one_seed_as_one_seed_and_pools_several(monkeyp
     assert report._pooled_claim(three) == ("BLEU +0.23 (pooled p 0.010 bootstrap, 0.020 randomisation; higher on "
                                            "2 of 3 seeds)")
     assert report._pooled_claim(None, "chrF") == "chrF not measured yet"
+
+
+def test_the_study_says_whether_the_first_pairs_attention_finding_holds_on_the_second(monkeypatch):
+    """The replication line: undecided while the second pair has fewer seeds than the first; once it has as many,
+    "holds" exactly when the pooled tests of both pairs give the same outcome (a gain, a loss or no measurable
+    difference: both tests below 0.05 for a gain or a loss)."""
+    monkeypatch.syspath_prepend(os.path.dirname(CONVERGED))  # (report imports significance beside it)
+    report = load("multi30k_converged_report", os.path.join(os.path.dirname(CONVERGED), "report.py"))
+    from significance import Comparison
+
+    def comparison(delta, p):
+        return Comparison({"BLEU": 30.0}, {"BLEU": 30.0 + delta},
+                          {"BLEU": {"bootstrap": p, "randomisation": p}})
+
+    def result(deltas, pooled_delta, p):
+        return report.Result(list(range(1, len(deltas) + 1)), [comparison(d, 0.2) for d in deltas],
+                             comparison(pooled_delta, p) if len(deltas) > 1 else None)
+
+    pairs = [report.Pair(name, "", "", {}, "", {}) for name in ("en-fr", "en-de")]
+    gain = result([0.9, 0.6, 0.7], 0.73, 0.002)
+
+    def line(soft_de, hard_de=None):
+        found = {("soft_topk", "softmax", "en-fr", "test"): gain, ("hard_topk", "softmax", "en-fr", "test"): gain,
+                 ("soft_topk", "softmax", "en-de", "test"): soft_de}
+        if hard_de is not None:
+            found["hard_topk", "softmax", "en-de", "test"] = hard_de
+        (text,) = report.replication(found, pairs)
+        assert text.startswith("- **Does the en-fr top-k attention finding hold on en-de?**")
+        return text
+
+    text = line(result([-0.04], -0.04, None))
+    assert "SOFT top-k against softmax: not decided yet (1 of 3 seeds)" in text
+    assert "hard top-k against softmax: not decided yet (0 of 3 seeds)" in text
+    text = line(result([0.5, 0.4, 0.6], 0.5, 0.01), result([0.2, -0.3, 0.1], 0.0, 0.6))
+    assert "SOFT top-k against softmax: it holds -- en-fr a gain (+0.73 BLEU), en-de a gain: BLEU +0.50" in text
+    assert "hard top-k against softmax: it does not hold -- en-fr a gain (+0.73 BLEU), en-de no measurable " \
+           "difference: BLEU +0.00" in text
+    text = line(result([-0.5, -0.4, -0.6], -0.5, 0.01))
+    assert "SOFT top-k against softmax: it does not hold -- en-fr a gain (+0.73 BLEU), en-de a loss" in text
+    # a gain on one test alone is no measurable difference
+    assert report._outcome(report.Result([1, 2], [], report.Comparison(
+        {"BLEU": 30.0}, {"BLEU": 30.5}, {"BLEU": {"bootstrap": 0.01, "randomisation": 0.2}}))) == \
+        "no measurable difference"
+    assert report.replication({}, pairs[:1]) == []

@@ -357,6 +357,40 @@ def _significant(result: Optional[Result], metric: str = "BLEU", alpha: float = 
     return p["bootstrap"] < alpha and p["randomisation"] < alpha
 
 
+def _outcome(result: Result, metric: str = "BLEU") -> str:
+    """What the pooled tests of a comparison say: a gain or a loss (both tests below 0.05; the pooled difference's
+    sign), else no measurable difference."""
+    if not _significant(result, metric):
+        return "no measurable difference"
+    return "a gain" if result.pooled.delta(metric) > 0 else "a loss"
+
+
+def replication(found_attention: dict, pairs: List[Pair]) -> List[str]:
+    """Whether the first pair's top-k attention finding holds on each other pair: the same outcome of the pooled
+    tests on test BLEU (:func:`_outcome`), judged once the other pair has as many seeds as the first."""
+    lines = []
+    first = pairs[0] if pairs else None
+    for other in pairs[1:]:
+        parts = []
+        for system in ("soft_topk", "hard_topk"):
+            ref = found_attention.get((system, "softmax", first.name, "test"))
+            new = found_attention.get((system, "softmax", other.name, "test"))
+            if ref is None or ref.pooled is None:
+                continue
+            label, have = ARM_NAMES[system], len(new.seeds) if new is not None else 0
+            if have < len(ref.seeds):
+                parts.append(f"{label} against softmax: not decided yet ({have} of {len(ref.seeds)} seeds)")
+                continue
+            before, now = _outcome(ref), _outcome(new)
+            parts.append(f"{label} against softmax: {'it holds' if now == before else 'it does not hold'} -- "
+                         f"{first.name} {before} ({ref.pooled.delta('BLEU'):+.2f} BLEU), {other.name} {now}: "
+                         f"{_pooled_claim(new)}, t-test over seeds p {_p(t_test_p(new.deltas('BLEU')))}")
+        if parts:
+            lines.append(f"- **Does the {first.name} top-k attention finding hold on {other.name}?** (test BLEU, "
+                         "pooled tests) " + "; ".join(parts) + ".")
+    return lines
+
+
 def summary(found_attention: dict, found_finetune: dict, pairs: List[Pair], sweep_line: Optional[str]) -> List[str]:
     """The answers, each computed from the tests (no claim the numbers do not make)."""
     lines = []
@@ -377,6 +411,7 @@ def summary(found_attention: dict, found_finetune: dict, pairs: List[Pair], swee
             lines.append(f"  SOFT against hard top-k: {_pooled_claim(versus)}, {_pooled_claim(versus, 'chrF')} -- "
                          + ("no measurable difference between the two at k 4, epsilon 0.1." if same else
                             "see the table below."))
+    lines += replication(found_attention, pairs)
     for pair in pairs:
         name = pair.name
         beam_val = found_finetune.get(("soft_beam_paper", "tf", pair.name, "valid"))
