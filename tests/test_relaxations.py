@@ -81,3 +81,56 @@ def test_a_new_relaxation_is_one_class_and_one_registry_line(monkeypatch):
     scores = torch.randn(2, 7, dtype=torch.float64)
     got = topk_attention_weights(scores, 3, mode="repeated_softmax", epsilon=0.5)
     torch.testing.assert_close(got, torch.softmax(scores / 0.5, -1))
+
+
+PARSE_WITH_USER_DIR = """
+import sys
+from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+user_dir, name = sys.argv[1:]
+args = options.parse_args_and_arch(options.get_training_parser(), [
+    "data-bin", "--user-dir", user_dir, "--arch", "transformer_topk_attn", "--criterion", "soft_beam_search",
+    "--soft-beam-relaxation", name, "--topk-attn-mode", name])
+cfg = convert_namespace_to_omegaconf(args)
+print("parsed", cfg.criterion.soft_beam_relaxation, cfg.model.topk_attn_mode)
+"""
+
+USER_DIR_INIT = """
+from softtopk_fairseq.modules import relaxations
+from softtopk_fairseq.modules.relaxations import Relaxation
+{before}
+
+@relaxations.register
+class MyRelaxation(Relaxation):
+    name = "my_relaxation"
+    uses = frozenset({{"search", "attention"}})
+
+{after}
+"""
+
+
+@pytest.mark.parametrize("registered_first", [True, False])
+def test_a_relaxation_of_ones_own_is_a_flag_value_when_registered_before_the_plugin_is_imported(tmp_path,
+                                                                                               registered_first):
+    """docs/architecture.md's recipe: a user dir of one's own that registers the relaxation and then imports
+    ``softtopk_fairseq.fairseq_plugin`` -- fairseq-train's parser and its config take the new name for both flags.
+    Imported the other way round, the flags' choices are already built and the parser refuses the name."""
+    import subprocess
+    import sys
+
+    from fairseq_cli import REPO_ROOT
+    from softtopk_fairseq.pipeline.run import quiet_warnings_env
+
+    plugin = "import softtopk_fairseq.fairseq_plugin  # noqa"
+    user_dir = tmp_path / "my_user_dir"
+    user_dir.mkdir()
+    (user_dir / "__init__.py").write_text(USER_DIR_INIT.format(before="" if registered_first else plugin,
+                                                               after=plugin if registered_first else ""))
+    proc = subprocess.run([sys.executable, "-c", PARSE_WITH_USER_DIR, str(user_dir), "my_relaxation"], cwd=REPO_ROOT,
+                          env=dict(quiet_warnings_env(), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    if registered_first:
+        assert proc.returncode == 0 and "parsed my_relaxation my_relaxation" in proc.stdout, proc.stdout[-3000:]
+    else:
+        assert proc.returncode != 0 and "invalid choice: 'my_relaxation'" in proc.stdout, proc.stdout[-3000:]
