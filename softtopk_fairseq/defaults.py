@@ -23,7 +23,7 @@ PERTURBED_SAMPLES = 16
 BEAM = 5
 SEARCH_RELAXATION = "soft_topk"
 # The authors' normalisation of the OT cost (temperature = epsilon * max cost / 2 per sentence): with the
-# temperature in nats ("none") and epsilon 0.1, fine-tuning diverged (docs/operator.md).
+# temperature in nats ("none") and epsilon 0.1, fine-tuning diverged (docs/results/temperature.md).
 SEARCH_SCALING = "paper"
 TEACHER_FORCING_RATIO = 0.8  # rho in L = rho * L_tf + (1 - rho) * L_SOFT
 CANDIDATES = 0  # candidates kept per sentence before the relaxed top-k: 0 = all k * V (exact)

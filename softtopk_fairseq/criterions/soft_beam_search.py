@@ -23,10 +23,11 @@ encoder-then-decoder forwards (:data:`ENCODER_THEN_DECODER`: the transformer, LS
 models, and every architecture of this plugin): the teacher-forcing decoder and the beam search read the same
 encoder output -- the same dropout mask on it, an unbiased estimate of the same objective -- in one pass through
 the (DDP) wrapper's ``forward``. Other models run their own ``forward`` for ``L_tf`` and the encoder again.
-With ``--teacher-forcing-pass search`` those models' ``L_tf`` comes from the beam search's own decoder steps:
-each step decodes one teacher-forced row per sentence beside its ``k`` beams (fed the gold prefix, its state
-never mixed), so one decoder call per step serves both losses instead of a second decoder pass -- fairseq's
-incremental decoding computes what its full pass does (tested: the same loss and gradients without dropout).
+With ``--teacher-forcing-pass search`` the encoder-then-decoder models' ``L_tf`` comes from the beam search's
+own decoder steps: each step decodes one teacher-forced row per sentence beside its ``k`` beams (fed the gold
+prefix, its state never mixed), so one decoder call per step serves both losses instead of a second decoder
+pass -- fairseq's incremental decoding computes what its full pass does (tested: the same loss and gradients
+without dropout).
 On a GPU, where an update is bound by kernel launches, that removes the teacher-forcing pass's launches; on a
 CPU, bound by arithmetic, it is no faster.
 ``separate`` runs the decoder's full teacher-forcing pass as ``label_smoothed_cross_entropy`` does; ``auto``

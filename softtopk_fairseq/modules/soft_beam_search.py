@@ -408,8 +408,8 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         graphs: a :class:`~softtopk_fairseq.modules.cuda_graphs.GraphCache` (kept by the caller across batches)
             to run each step's work between two decoder calls -- candidates, relaxed top-k, bookkeeping, state
             mixing, soft inputs -- as CUDA graphs, captured once per batch size: a few launches each way instead
-            of dozens, for a GPU, where an update is bound by launching them. Used on CUDA
-            batches with the ``"ot"`` relaxation, outside autocast (whose cast cache a graph cannot hold), for an
+            of dozens, for a GPU, where an update is bound by launching them. Used on CUDA batches with the
+            ``"soft_topk"`` relaxation, outside autocast (whose cast cache a graph cannot hold), for an
             ``nn.Embedding`` input embedding (:func:`capturable_lookup`); elsewhere the step runs eagerly (the
             other relaxations read their checks back or draw noise). Same results up to rounding (tested).
     """
