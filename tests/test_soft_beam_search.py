@@ -162,15 +162,61 @@ def test_topk_bookkeeping_keeps_distinct_beams_where_argmax_can_collapse():
     assert all(len({tuple(h) for h in sent.tolist()}) == 3 for sent in distinct.hypotheses)
     with pytest.raises(ValueError, match="bookkeeping"):
         run(model, sample, d, bookkeeping="nope")
-    with pytest.raises(ValueError, match="soft_beam_search: beam must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="soft_beam_search: beam must be an int >= 1, got 0"):
         run(model, sample, d, beam=0)
     with pytest.raises(ValueError, match=r"soft_beam_search: candidates must be 0 \(all\) or >= beam \(3\), got 2"):
         run(model, sample, d, beam=3, candidates=2)
     with pytest.raises(ValueError, match=r"soft_beam_search: candidates must be 0 \(all\) or >= beam \(3\), got -1"):
         run(model, sample, d, beam=3, candidates=-1)  # not "all": 0 is
-    with pytest.raises(ValueError, match=r"soft_beam_search: bookkeeping must be one of .*; beam must be >= 1, got 0; "
+    with pytest.raises(ValueError, match=r"soft_beam_search: bookkeeping must be one of .*; beam must be an int >= 1, got 0; "
                                          r"candidates must be 0 \(all\) or >= beam \(0\), got -2"):
         run(model, sample, d, beam=0, candidates=-2, bookkeeping="nope")  # every problem at once
+
+
+@pytest.mark.parametrize("relaxation", ["soft_topk", "softmax_k_times", "perturbed"])
+@pytest.mark.parametrize("bad, match", [
+    (dict(epsilon=-0.5), "epsilon must be a finite number > 0, got -0.5"),
+    (dict(epsilon=1e-46), "epsilon=1e-46 is outside float32's range"),
+    (dict(scaling="bogus"), r"scaling must be one of \('none', 'paper'\), got 'bogus'"),
+    (dict(tol=-1.0), "tol must be a finite number >= 0"),
+    (dict(max_iter=2.5), "max_iter must be an int >= 0, got 2.5"),
+    (dict(samples=0), "samples must be an int >= 1, got 0"),
+])
+def test_every_relaxations_options_are_checked_before_the_search_runs(relaxation, bad, match):
+    """One rule for every relaxation's options (relaxations.option_problems), applied before the encoder runs:
+    softmax-k-times and the perturbed top-k once took a negative temperature -- the worst candidates ranked
+    first, silently -- and took any scaling as 'none'."""
+    d = dictionary()
+    model, sample = build("lstm", d), batch(d)
+    model.encoder.forward = None  # (the search must not reach it)
+    with pytest.raises(ValueError, match=f"soft_beam_search: {match}"):
+        run(model, sample, d, beam=2, relaxation=relaxation, **{"epsilon": 0.5, **bad})
+
+
+def test_a_beam_the_vocabulary_cannot_fill_and_foreign_special_tokens_are_refused():
+    """The first step extends the one live beam with every token but pad and eos: a beam larger than that would
+    repeat hypotheses (it once returned identical ones, silently); pad and eos must be tokens of the decoder."""
+    d = dictionary(2)  # fairseq's 4 special symbols and 2 words: 4 tokens to extend with
+    model, sample = build("lstm", d), batch(d)
+    assert len(d) == 6 and run(model, sample, d, beam=4).hypotheses.shape[1] == 4
+    with pytest.raises(ValueError, match=r"soft_beam_search: beam must be <= 4, the tokens a first step can extend "
+                                         r"with \(the vocabulary of 6 less pad and eos\), got 5"):
+        run(model, sample, d, beam=5)
+    ni = sample["net_input"]
+    with pytest.raises(ValueError, match=r"soft_beam_search: pad=1 and eos=99 must be two tokens of the vocabulary "
+                                         r"\(0..5\)"):
+        soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], sample["target"], pad=d.pad(), eos=99, beam=2)
+    with pytest.raises(ValueError, match=r"soft_beam_search: --soft-beam-size must be <= 4, the tokens a first step "
+                                         r"can extend with \(the vocabulary of 6 less pad and eos\), got 5"):
+        SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(sentence_avg=False, soft_beam_size=5))
+
+
+def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
+    with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
+                                         r"exactly --soft-topk-max-iter steps\), got -1.0; --soft-topk-max-iter must "
+                                         r"be an int >= 0, got -3"):
+        SoftBeamSearchCriterion(TinyTask(dictionary()), SoftBeamSearchConfig(sentence_avg=False, soft_topk_tol=-1.0,
+                                                                            soft_topk_max_iter=-3))
 
 
 # -------------------------------------------------------------------------------- gradients -----------

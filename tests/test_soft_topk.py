@@ -4,8 +4,8 @@ import warnings
 import pytest
 import torch
 
-from softtopk_fairseq.ops import (BadScoresError, SoftTopK, bad_score_rows, perturbed_topk, soft_topk, softmax_k_times,
-                                  solvers)
+from softtopk_fairseq.ops import (BadScoresError, SoftTopK, bad_score_rows, divide_by_temperature, effective_epsilon,
+                                  perturbed_topk, soft_topk, softmax_k_times, solvers)
 from softtopk_fairseq.ops.paper_reference import paper_sorted_soft_topk
 
 f64 = torch.float64
@@ -257,8 +257,13 @@ def test_clear_errors(bad, exc, match):
     (dict(k=4), ValueError, r"k must be in 1..n = 1..3 along dim -1, got k=4"),
     (dict(dim=2), ValueError, r"dim=2 is out of range for scores with 2 dimension\(s\)"),
     (dict(temperature=torch.tensor(0.1)), TypeError, "{t} must be a Python float, got a Tensor"),
-    (dict(temperature="0.1"), ValueError, "{t} must be a finite number > 0, got '0.1'"),
+    (dict(temperature="0.1"), ValueError, r"{t} must be a Python float, got '0.1' \(a str: pass float\(...\)\)"),
     (dict(temperature=float("inf")), ValueError, "{t} must be a finite number > 0, got inf"),
+    # beyond float32, the type all but float64 scores are computed in: NaN outputs below it, overflow above
+    (dict(temperature=1e-46), ValueError, r"{t}=1e-46 is outside float32's range 1.18e-38..3.4e\+38"),
+    (dict(temperature=1e39), ValueError, r"{t}=1e\+39 is outside float32's range"),
+    (dict(scores=torch.randn(2, 3, dtype=torch.float16), temperature=1e-46), ValueError,
+     "{t}=1e-46 is outside float32's range"),
     (dict(mask=torch.ones(2, 3)), TypeError, "mask must be a bool tensor"),
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, r"mask of shape \(2, 2\) does not broadcast"),
     (dict(mask=torch.ones(4, 2, 3, dtype=torch.bool)), ValueError, r"mask of shape \(4, 2, 3\) does not broadcast"),
@@ -272,6 +277,41 @@ def test_every_operator_refuses_bad_arguments_by_one_rule(op, temperature, bad, 
     with pytest.raises(exc, match=f"{op.__name__}: {match.format(t=temperature)}"):
         op(kwargs["scores"], kwargs["k"], dim=kwargs["dim"], mask=kwargs["mask"],
            **{temperature: kwargs["temperature"]})
+
+
+@pytest.mark.parametrize("op, temperature", [(soft_topk, "epsilon"), (softmax_k_times, "epsilon"),
+                                             (perturbed_topk, "sigma")])
+def test_a_temperature_is_refused_only_outside_the_range_of_the_type_it_is_computed_in(op, temperature):
+    """float64 scores are computed in float64: a temperature below float32's range is theirs to use (finite
+    outputs and gradients), while the same value on float32 scores -- rounded to 0 there, NaN outputs -- is
+    refused."""
+    x = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    out = op(x, 2, **{temperature: 1e-300})
+    out.sum().backward()
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(x.grad).all())
+    with pytest.raises(ValueError, match=f"{op.__name__}: {temperature}=1e-300 is outside float32's range"):
+        op(x.detach().float(), 2, **{temperature: 1e-300})
+
+
+def test_the_public_temperature_helpers_check_their_arguments():
+    """effective_epsilon checks what soft_topk checks (a negative epsilon was returned as the temperature);
+    divide_by_temperature wants one temperature per row (torch's broadcasting error, or a wrong broadcast, else)."""
+    x = torch.randn(3, 6)
+    with pytest.raises(ValueError, match="effective_epsilon: epsilon must be a finite number > 0, got -1.0"):
+        effective_epsilon(x, 2, epsilon=-1.0)
+    with pytest.raises(ValueError, match=r"effective_epsilon: scaling must be one of \('none', 'paper'\), got 'x'"):
+        effective_epsilon(x, 2, scaling="x")
+    with pytest.raises(ValueError, match=r"effective_epsilon: k must be in 1..n = 1..6"):
+        effective_epsilon(x, 7)
+    with pytest.raises(ValueError, match=r"divide_by_temperature: temperature must be a tensor shaped like the "
+                                         r"scores without their last dimension, \(3,\), got \(1,\)"):
+        divide_by_temperature(x, torch.ones(1))
+    assert torch.equal(divide_by_temperature(x, torch.full((3,), 2.0)), x / 2)
+
+
+def test_perturbed_topk_refuses_a_generator_that_is_not_one():
+    with pytest.raises(TypeError, match="perturbed_topk: generator must be a torch.Generator or None, got int"):
+        perturbed_topk(torch.randn(2, 4), 2, generator=3)
 
 
 @pytest.mark.parametrize("op, largest", [(soft_topk, True), (soft_topk, False), (softmax_k_times, True),

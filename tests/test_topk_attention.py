@@ -174,11 +174,38 @@ def test_inference_mode_switches_only_in_eval():
     assert layer.train().active_topk_mode == "soft_topk" and layer.eval().active_topk_mode == "hard_topk"
     layer.configure_topk(2, 0.1, "soft_topk", "same")
     assert layer.eval().active_topk_mode == "soft_topk"
-    with pytest.raises(ValueError, match="top-k attention: --topk-attn-k must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="top-k attention: --topk-attn-k must be an int >= 1, got 0"):
         layer.configure_topk(0, 0.1, "soft_topk", "same")
     with pytest.raises(ValueError, match=r"--topk-attn-inference must be one of .*, got 'sparse'; "
                                          r"--topk-attn-epsilon must be a finite number > 0, got inf"):
         layer.configure_topk(2, float("inf"), "soft_topk", "sparse")
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(dim=5), ValueError, r"dim=5 is out of range for scores with 2 dimension\(s\)"),
+    (dict(scores=torch.ones(3, 2, dtype=torch.long)), TypeError, "scores must be a floating-point tensor"),
+    (dict(k=2.5, mode="hard_topk"), ValueError, "k must be an int >= 1, got 2.5"),
+    (dict(k=8, epsilon=-1.0), ValueError, "epsilon must be a finite number > 0, got -1.0"),  # (k >= n: softmax)
+    (dict(mode="softmax", samples=0), ValueError, "samples must be an int >= 1, got 0"),
+    (dict(mode="sparse"), ValueError, r"mode must be one of \("),
+])
+def test_topk_attention_weights_checks_its_arguments_in_every_mode(bad, exc, match):
+    """Every argument is checked on entry, naming the function: torch's own errors came through for a bad dim,
+    integer scores or a float k, and a bad epsilon or sample count passed silently in the modes that do not use
+    them."""
+    kwargs = dict(scores=torch.randn(3, 6), k=2, mode="soft_topk", epsilon=0.1, dim=-1, samples=4)
+    kwargs.update(bad)
+    with pytest.raises(exc, match=f"topk_attention_weights: {match}"):
+        topk_attention_weights(kwargs.pop("scores"), kwargs.pop("k"), **kwargs)
+
+
+def test_a_layer_refused_by_convert_is_left_as_it_was():
+    """convert checks the options before it changes the layer: a refused conversion left a half-converted layer
+    behind, whose next forward failed with an AttributeError."""
+    layer = AttentionLayer(4, 4, 4)
+    with pytest.raises(ValueError, match="top-k attention: --topk-attn-k must be an int >= 1, got 0"):
+        TopkAttentionLayer.convert(layer, k=0, epsilon=0.1, mode="soft_topk", inference="same")
+    assert type(layer) is AttentionLayer
 
 
 # --------------------------------------------------------------------- incremental == full forward ----

@@ -53,7 +53,8 @@ from softtopk_fairseq.criterions.wrapped_model import (encoder_then_decoder, lay
                                                       run_inside_ddp_forward)
 from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
-from softtopk_fairseq.modules.soft_beam_search import BOOKKEEPING, USE, search_option_problems, soft_beam_search
+from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, USE, search_option_problems, soft_beam_search,
+                                                       vocabulary_problems)
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
@@ -180,8 +181,11 @@ def upgrade_config(cfg: SoftBeamSearchConfig) -> SoftBeamSearchConfig:
     return cfg
 
 
-# The flags of soft_beam_search's beam and pruning arguments, for the rule they share (search_option_problems).
+# The flags of soft_beam_search's beam and pruning arguments, and of the relaxation's options, for the rules they
+# share with the Python functions (search_option_problems, relaxations.option_problems).
 SEARCH_FLAGS = {"beam": "--soft-beam-size", "candidates": "--soft-beam-candidates"}
+RELAXATION_FLAGS = {"epsilon": "--soft-beam-epsilon", "scaling": "--soft-beam-scaling", "tol": "--soft-topk-tol",
+                    "max_iter": "--soft-topk-max-iter", "samples": "--soft-beam-samples"}
 
 
 def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
@@ -193,14 +197,11 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
         problems.append(f"--teacher-forcing-ratio must be in [0, 1], got {cfg.teacher_forcing_ratio}")
     problems += search_option_problems(cfg.soft_beam_size, cfg.soft_beam_candidates, names=SEARCH_FLAGS)
     for flag, value, allowed in (("--soft-beam-relaxation", cfg.soft_beam_relaxation, relaxations.names(USE)),
-                                 ("--soft-beam-scaling", cfg.soft_beam_scaling, SCALINGS),
                                  ("--soft-beam-bookkeeping", cfg.soft_beam_bookkeeping, BOOKKEEPING)):
         if str(value) not in allowed:
             problems.append(f"{flag} must be one of {allowed}, got {value!r}")
-    if not (math.isfinite(cfg.soft_beam_epsilon) and cfg.soft_beam_epsilon > 0):
-        problems.append(f"--soft-beam-epsilon must be a finite number > 0, got {cfg.soft_beam_epsilon}")
-    if cfg.soft_beam_samples < 1:
-        problems.append(f"--soft-beam-samples must be >= 1, got {cfg.soft_beam_samples}")
+    problems += relaxations.option_problems(cfg.soft_beam_epsilon, str(cfg.soft_beam_scaling), cfg.soft_topk_tol,
+                                            cfg.soft_topk_max_iter, cfg.soft_beam_samples, names=RELAXATION_FLAGS)
     if cfg.ignore_prefix_size > 0:
         problems.append(f"--ignore-prefix-size is not supported (must be 0), got {cfg.ignore_prefix_size}")
     if cfg.soft_beam_cuda_graphs and str(cfg.soft_beam_relaxation) != "soft_topk":
@@ -234,7 +235,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
                              "(fairseq sets it from --sentence-avg; pass SoftBeamSearchConfig(sentence_avg=...))")
         super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size, cfg.report_accuracy)
         upgrade_config(cfg)
-        problems = config_problems(cfg)
+        dictionary = task.target_dictionary
+        problems = config_problems(cfg) or vocabulary_problems(len(dictionary), cfg.soft_beam_size, dictionary.pad(),
+                                                               dictionary.eos(), names=SEARCH_FLAGS)
         if problems:
             raise ValueError("soft_beam_search: " + "; ".join(problems))
         self.rho = cfg.teacher_forcing_ratio

@@ -43,7 +43,7 @@ from softtopk_fairseq.models.rnnsearch import RNNSearchModel
 from softtopk_fairseq.models.rnnsearch import base_architecture as rnnsearch_base_architecture
 from softtopk_fairseq.models.rnnsearch import rnnsearch_wmt14_en_fr
 from softtopk_fairseq.modules import relaxations
-from softtopk_fairseq.modules.topk_attention import INFERENCE_SAME, USE, TopkAttentionMixin
+from softtopk_fairseq.modules.topk_attention import INFERENCE_SAME, USE, TopkAttentionMixin, check_topk_options
 
 ATTENTION_KINDS = ("encoder-decoder", "decoder-self", "encoder-self")
 
@@ -55,6 +55,7 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
     @classmethod
     def convert(cls, layer: MultiheadAttention, k, epsilon, mode, inference,
                 samples=defaults.PERTURBED_SAMPLES) -> "TopkMultiheadAttention":
+        check_topk_options(k, epsilon, mode, inference, samples)  # (before the layer changes)
         layer.__class__ = cls
         # PyTorch's fused attention would skip the scores; fairseq bypasses it when this flag is set.
         layer.skip_embed_dim_check = True
@@ -97,6 +98,7 @@ class TopkAttentionLayer(TopkAttentionMixin, AttentionLayer):
     @classmethod
     def convert(cls, layer: AttentionLayer, k, epsilon, mode, inference,
                 samples=defaults.PERTURBED_SAMPLES) -> "TopkAttentionLayer":
+        check_topk_options(k, epsilon, mode, inference, samples)  # (before the layer changes)
         layer.__class__ = cls
         return layer.configure_topk(k, epsilon, mode, inference, samples)
 

@@ -31,7 +31,7 @@ for ``hard_topk``), accepted everywhere with a one-time ``FutureWarning``.
 """
 import math
 import warnings
-from typing import Dict, NamedTuple, Optional, Tuple, Type
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -39,11 +39,34 @@ from torch import Tensor
 from softtopk_fairseq import defaults
 from softtopk_fairseq.ops import (BadScoresError, bad_score_rows, divide_by_temperature, effective_epsilon,
                                   perturbed_topk, soft_topk, softmax_k_times)
+from softtopk_fairseq.ops.arguments import count_problem, solver_option_problems, temperature_problem
+from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 USES = ("search", "attention")
 # log A is taken of A floored here in the attention: a key that far outside the top k gets weight <= 1e-30 *
 # softmax, and its gradient through log is cut instead of overflowing to NaN.
 LOG_FLOOR = 1e-30
+
+
+# How option_problems names the options: the Python arguments (the criterion and the attention layers pass
+# their flags' names).
+ARGUMENT_NAMES = {"epsilon": "epsilon", "scaling": "scaling", "tol": "tol", "max_iter": "max_iter",
+                  "samples": "samples"}
+
+
+def option_problems(epsilon, scaling=defaults.OPERATOR_SCALING, tol=None, max_iter=None,
+                    samples=defaults.PERTURBED_SAMPLES, names: Mapping[str, str] = ARGUMENT_NAMES) -> List[str]:
+    """What is wrong with a relaxation's options, one line each naming the option by ``names``, its value and what
+    it must be (empty when nothing is): ``epsilon`` a number > 0 within float32's range (the type it is computed
+    in for every scores' type but float64; ``ops.arguments.temperature_problem``), ``scaling`` one of
+    ``ops.soft_topk.SCALINGS``, ``tol`` and ``max_iter`` the OT solver's (None: its defaults), ``samples`` an int
+    >= 1. One rule for every relaxation, whether or not it uses the option, so that a bad value is refused
+    before anything runs rather than ignored."""
+    problems = [temperature_problem(names["epsilon"], epsilon), count_problem(names["samples"], samples)]
+    if str(scaling) not in SCALINGS:
+        problems.append(f"{names['scaling']} must be one of {SCALINGS}, got {scaling!r}")
+    problems += solver_option_problems(tol, max_iter, names["tol"], names["max_iter"])
+    return [problem for problem in problems if problem]
 
 
 class Relaxed(NamedTuple):
@@ -68,6 +91,10 @@ class Relaxation:
     def __init__(self, k: int, epsilon: float = defaults.EPSILON, scaling: str = defaults.OPERATOR_SCALING, *,
                  tol: Optional[float] = None, max_iter: Optional[int] = None,
                  samples: int = defaults.PERTURBED_SAMPLES):
+        problems = [problem for problem in [count_problem("k", k)] if problem]
+        problems += option_problems(epsilon, scaling, tol, max_iter, samples)
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self.k, self.epsilon, self.scaling = k, epsilon, scaling
         self.tol, self.max_iter = tol, max_iter  # the OT solver's
         self.samples = samples                   # the perturbed top-k's

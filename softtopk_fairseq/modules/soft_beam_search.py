@@ -36,6 +36,7 @@ from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
 from softtopk_fairseq.modules.relaxations import Relaxation
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
+from softtopk_fairseq.ops.arguments import count_problem
 
 USE = "search"
 BOOKKEEPING = ("argmax", "topk")
@@ -47,12 +48,24 @@ def search_option_problems(beam: int, candidates: int, names: Mapping[str, str] 
     """What is wrong with the beam size and the pruning size, one line each naming the option by ``names``, its
     value and what it must be (empty when nothing is): ``beam >= 1``, and ``candidates`` 0 (all) or at least
     ``beam`` -- the relaxed top-k of fewer than k candidates has no k ranks to fill."""
-    problems = []
-    if beam < 1:
-        problems.append(f"{names['beam']} must be >= 1, got {beam}")
-    if candidates < 0 or 0 < candidates < beam:
-        problems.append(f"{names['candidates']} must be 0 (all) or >= {names['beam']} ({beam}), got {candidates}")
+    problems = [problem for problem in [count_problem(names["beam"], beam)] if problem]
+    if (isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0
+            or (isinstance(beam, int) and 0 < candidates < beam)):
+        problems.append(f"{names['candidates']} must be 0 (all) or >= {names['beam']} ({beam}), got {candidates!r}")
     return problems
+
+
+def vocabulary_problems(V: int, beam: int, pad: int, eos: int,
+                        names: Mapping[str, str] = ARGUMENT_NAMES) -> List[str]:
+    """What is wrong with the beam size for a target vocabulary of ``V`` tokens (empty when nothing is): ``pad``
+    and ``eos`` must be two of its tokens, and the first step must have ``beam`` tokens to extend with (all but
+    those two) -- with fewer, beams would repeat."""
+    if not (0 <= pad < V and 0 <= eos < V and pad != eos):
+        return [f"pad={pad} and eos={eos} must be two tokens of the vocabulary (0..{V - 1})"]
+    if beam > V - 2:
+        return [f"{names['beam']} must be <= {V - 2}, the tokens a first step can extend with (the vocabulary of {V} "
+                f"less pad and eos), got {beam}"]
+    return []
 
 
 class SoftBeamOutput(NamedTuple):
@@ -416,13 +429,17 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     problems = search_option_problems(beam, candidates)
     if bookkeeping not in BOOKKEEPING:
         problems.insert(0, f"bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
-    if problems:
-        raise ValueError("soft_beam_search: " + "; ".join(problems))
+    if not isinstance(relaxation, Relaxation):  # (a Relaxation's options are its own, checked when it was built)
+        problems += relaxations.option_problems(epsilon, scaling, tol, max_iter, samples)
     decoder = model.decoder
     embed = getattr(decoder, "embed_tokens", None)
     if embed is None:
         raise TypeError(f"soft_beam_search: {type(decoder).__name__} has no embed_tokens module to feed soft "
                         "tokens through")
+    if not problems and isinstance(getattr(embed, "num_embeddings", None), int):  # (the output's size: at step 0)
+        problems += vocabulary_problems(embed.num_embeddings, beam, pad, eos)
+    if problems:
+        raise ValueError("soft_beam_search: " + "; ".join(problems))
     k = beam
     if isinstance(relaxation, Relaxation):
         if relaxation.k != k or USE not in relaxation.uses:
@@ -465,6 +482,9 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             V = lprobs.shape[-1]
             lprobs = rows.split(lprobs.view(bsz, rows.per_sentence, V))
             if cum is None:  # step 0: one live beam; eos and pad banned as extensions
+                problems = vocabulary_problems(V, k, pad, eos)
+                if problems:
+                    raise ValueError("soft_beam_search: " + "; ".join(problems))
                 cum = lprobs.new_full((bsz, k), -torch.inf)
                 cum[:, 0] = 0
                 ban = lprobs.new_zeros(V)

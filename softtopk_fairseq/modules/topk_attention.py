@@ -20,8 +20,7 @@ then non-finite, which fairseq's trainer handles as it does for its own attentio
 loss scale lowered under ``--fp16`` / ``--amp``, a ``FloatingPointError`` with its NaN detector's report otherwise
 -- where the operators' refusal (``ops.BadScoresError``) would end the run.
 """
-import math
-from typing import List
+from typing import List, Mapping
 
 import torch
 from torch import Tensor
@@ -29,6 +28,7 @@ from torch import Tensor
 from softtopk_fairseq import defaults
 from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.relaxations import Relaxation
+from softtopk_fairseq.ops.arguments import check_scores, count_problem
 
 USE = "attention"
 INFERENCE_SAME = "same"  # --topk-attn-inference: eval mode uses the training mode's weights
@@ -58,30 +58,45 @@ def topk_attention_weights(scores: Tensor, k: int, *, mode: str = defaults.TOPK_
     ``"perturbed"``, which draws ``samples`` perturbations). The computation runs in at least float32 and
     returns ``scores.dtype``.
     """
-    if k < 1:
-        raise ValueError(f"topk_attention_weights: k must be >= 1, got {k}")
+    check_scores("topk_attention_weights", scores, dim)
+    problems = topk_option_problems(k, epsilon, mode, INFERENCE_SAME, samples, names=ARGUMENT_NAMES)
+    if problems:
+        raise ValueError("topk_attention_weights: " + "; ".join(problems))
     relaxation = relaxations.make(mode, USE, k, epsilon, samples=samples, where="topk_attention_weights: mode")
     return weights_from(relaxation, scores, dim)
 
 
+# How topk_option_problems names the options: the layers' flags, or topk_attention_weights' arguments.
+TOPK_FLAGS = {"k": "--topk-attn-k", "epsilon": "--topk-attn-epsilon", "samples": "--topk-attn-samples",
+              "mode": "--topk-attn-mode", "inference": "--topk-attn-inference"}
+ARGUMENT_NAMES = {"k": "k", "epsilon": "epsilon", "samples": "samples", "mode": "mode", "inference": "inference"}
+
+
 def topk_option_problems(k: int, epsilon: float, mode: str = defaults.TOPK_ATTN_MODE,
-                         inference: str = defaults.TOPK_ATTN_INFERENCE,
-                         samples: int = defaults.PERTURBED_SAMPLES) -> List[str]:
-    """What is wrong with the top-k attention options, one line each naming the flag (``--topk-attn-*``), its
-    value and what it must be (empty when nothing is): the layers refuse such options, and the demo pipeline
-    checks its own with it before anything runs. Old names of the modes are accepted (with a warning)."""
+                         inference: str = defaults.TOPK_ATTN_INFERENCE, samples: int = defaults.PERTURBED_SAMPLES,
+                         names: Mapping[str, str] = TOPK_FLAGS) -> List[str]:
+    """What is wrong with the top-k attention options, one line each naming the option by ``names`` (the flags
+    ``--topk-attn-*`` by default), its value and what it must be (empty when nothing is): the layers refuse such
+    options, and the demo pipeline checks its own with it before anything runs. Old names of the modes are
+    accepted (with a warning); ``epsilon`` and ``samples`` follow every relaxation's rule
+    (:func:`~softtopk_fairseq.modules.relaxations.option_problems`)."""
     problems = []
-    for flag, value, extra in (("--topk-attn-mode", mode, ()), ("--topk-attn-inference", inference,
-                                                                 (INFERENCE_SAME,))):
+    for option, value, extra in (("mode", mode, ()), ("inference", inference, (INFERENCE_SAME,))):
         if str(value) not in extra + relaxations.accepted_names(USE):
-            problems.append(f"{flag} must be one of {extra + relaxations.names(USE)}, got {value!r}")
-    if k < 1:
-        problems.append(f"--topk-attn-k must be >= 1, got {k}")
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        problems.append(f"--topk-attn-epsilon must be a finite number > 0, got {epsilon}")
-    if samples < 1:
-        problems.append(f"--topk-attn-samples must be >= 1, got {samples}")
+            problems.append(f"{names[option]} must be one of {extra + relaxations.names(USE)}, got {value!r}")
+    problems += [problem for problem in [count_problem(names["k"], k)] if problem]
+    problems += relaxations.option_problems(epsilon, samples=samples,
+                                            names=dict(relaxations.ARGUMENT_NAMES, epsilon=names["epsilon"],
+                                                       samples=names["samples"]))
     return problems
+
+
+def check_topk_options(k: int, epsilon: float, mode: str, inference: str,
+                       samples: int = defaults.PERTURBED_SAMPLES) -> None:
+    """Raise ValueError, naming each flag, its value and what it must be, for :func:`topk_option_problems`."""
+    problems = topk_option_problems(k, epsilon, mode, inference, samples)
+    if problems:
+        raise ValueError("top-k attention: " + "; ".join(problems))
 
 
 class TopkAttentionMixin:
@@ -95,9 +110,7 @@ class TopkAttentionMixin:
 
     def configure_topk(self, k: int, epsilon: float, mode: str, inference: str,
                        samples: int = defaults.PERTURBED_SAMPLES):
-        problems = topk_option_problems(k, epsilon, mode, inference, samples)
-        if problems:
-            raise ValueError("top-k attention: " + "; ".join(problems))
+        check_topk_options(k, epsilon, mode, inference, samples)
         mode = relaxations.resolve(mode, USE, "--topk-attn-mode")
         if inference != INFERENCE_SAME:
             inference = relaxations.resolve(inference, USE, "--topk-attn-inference")

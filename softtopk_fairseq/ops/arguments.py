@@ -5,18 +5,59 @@ samples) it checks itself. The scores' values follow one rule too: a NaN, or an 
 is refused (only ``-inf`` -- ``+inf`` with ``largest=False`` -- marks an excluded entry); ``soft_topk``'s fused
 kernels report them in their status bits, the others call :func:`check_score_values`."""
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 
-def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
-                    mask: Optional[Tensor]) -> None:
-    """Raise TypeError / ValueError unless ``scores`` is a floating-point tensor with at least one dimension,
-    ``dim`` one of its dimensions, ``k`` an int in ``1..scores.shape[dim]``, the temperature (called
-    ``temperature_name`` in the messages) a finite Python number > 0, and ``mask`` None or a bool tensor on the
-    scores' device that broadcasts to them."""
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type the operators compute in for scores of ``dtype``: float64 for float64, float32 otherwise (float16
+    and bfloat16 scores are computed in float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def temperature_problem(name: str, value, dtype: torch.dtype = torch.float32) -> Optional[str]:
+    """What is wrong with a temperature (or noise scale) called ``name`` (None when nothing is): it must be a
+    Python number, finite, > 0, and within the normal range of ``dtype``, the type it is computed in -- a
+    smaller one is rounded towards 0 there (NaN outputs), a larger one overflows."""
+    if isinstance(value, Tensor):  # a constant of the operators, not an input they differentiate
+        return f"{name} must be a Python float, got a Tensor"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = type(value).__qualname__ if type(value).__module__ == "builtins" else \
+            f"{type(value).__module__}.{type(value).__qualname__}"
+        return f"{name} must be a Python float, got {value!r} (a {kind}: pass float(...))"
+    if not (math.isfinite(value) and value > 0):
+        return f"{name} must be a finite number > 0, got {value!r}"
+    info = torch.finfo(dtype)
+    if not info.tiny <= value <= info.max:
+        return (f"{name}={value!r} is outside {info.dtype}'s range {info.tiny:.3g}..{info.max:.3g}, in which it is "
+                "computed" + (" (float64 scores are computed in float64)" if dtype != torch.float64 else ""))
+    return None
+
+
+def solver_option_problems(tol, max_iter, tol_name: str = "tol", max_iter_name: str = "max_iter") -> List[str]:
+    """What is wrong with the OT solver's ``tol`` and ``max_iter`` (None: the solver's defaults), one line each
+    naming the option as given."""
+    problems = []
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf):
+        problems.append(f"{tol_name} must be a finite number >= 0 (0: exactly {max_iter_name} steps), got {tol!r}")
+    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0):
+        problems.append(f"{max_iter_name} must be an int >= 0, got {max_iter!r}")
+    return problems
+
+
+def count_problem(name: str, value, least: int = 1) -> Optional[str]:
+    """What is wrong with a count called ``name`` -- ``k``, a beam size, the perturbed top-k's samples -- that
+    must be an int >= ``least`` (None when nothing is)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        return f"{name} must be an int >= {least}, got {value!r}"
+    return None
+
+
+def check_scores(op: str, scores, dim) -> None:
+    """Raise TypeError / ValueError unless ``scores`` is a floating-point tensor with at least one dimension and
+    ``dim`` one of its dimensions."""
     if not isinstance(scores, Tensor):
         raise TypeError(f"{op}: scores must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
@@ -26,16 +67,23 @@ def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
     if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
         raise ValueError(f"{op}: dim={dim!r} is out of range for scores with {scores.dim()} dimension(s) "
                          f"(valid: {-scores.dim()}..{scores.dim() - 1})")
+
+
+def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
+                    mask: Optional[Tensor]) -> None:
+    """Raise TypeError / ValueError unless the scores and ``dim`` pass :func:`check_scores`, ``k`` is an int in
+    ``1..scores.shape[dim]``, the temperature (called ``temperature_name`` in the messages) passes
+    :func:`temperature_problem` in the scores' :func:`compute_dtype`, and ``mask`` is None or a bool tensor on the
+    scores' device that broadcasts to them."""
+    check_scores(op, scores, dim)
     n = scores.shape[dim]
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
     if not 1 <= k <= n:
         raise ValueError(f"{op}: k must be in 1..n = 1..{n} along dim {dim}, got k={k}")
-    if isinstance(temperature, Tensor):  # a constant of the operators, not an input they differentiate
-        raise TypeError(f"{op}: {temperature_name} must be a Python float, got a Tensor")
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-                                             and temperature > 0):
-        raise ValueError(f"{op}: {temperature_name} must be a finite number > 0, got {temperature!r}")
+    problem = temperature_problem(temperature_name, temperature, compute_dtype(scores.dtype))
+    if problem:
+        raise (TypeError if isinstance(temperature, Tensor) else ValueError)(f"{op}: {problem}")
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"{op}: mask must be a bool tensor (True = keep)")

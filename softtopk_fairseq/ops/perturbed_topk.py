@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq import defaults
-from softtopk_fairseq.ops.arguments import check_score_values, check_selection, mask_along_last
+from softtopk_fairseq.ops.arguments import (check_score_values, check_selection, compute_dtype, count_problem,
+                                            mask_along_last)
 
 
 def _hard_topk(z: Tensor, valid: Tensor, k: int, sorted: bool) -> Tensor:
@@ -101,13 +102,15 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = defa
     from each sample in the backward (lower variance, still unbiased).
     """
     check_selection("perturbed_topk", scores, k, dim, "sigma", sigma, mask)
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"perturbed_topk: samples must be an int >= 1, got {samples!r}")
+    problem = count_problem("samples", samples)
+    if problem:
+        raise ValueError(f"perturbed_topk: {problem}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"perturbed_topk: generator must be a torch.Generator or None, got {type(generator).__name__}")
     check_score_values("perturbed_topk", scores, largest, mask)
     dim = dim % scores.dim()
     n = scores.shape[dim]
-    compute = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    x = scores.to(compute).movedim(dim, -1)
+    x = scores.to(compute_dtype(scores.dtype)).movedim(dim, -1)
     batch_shape = x.shape[:-1]
     x = x.reshape(-1, n)
     excluded = -torch.inf if largest else torch.inf

@@ -29,10 +29,10 @@ Masking, degenerate rows, dtypes
 count in ``n``. A row with ``n_valid <= k`` valid entries gets 1 on every valid entry (unsorted) or the soft
 sort of its valid entries over ranks ``0..n_valid-1`` (sorted; ranks ``>= n_valid`` are 0). An all-masked row
 is all zeros. NaN or ``+inf`` scores (``ops.BadScoresError``; with ``check_errors=False`` a NaN row of output
-instead), ``k`` outside ``1..n``, ``epsilon <= 0`` and non-float scores raise.
+instead), ``k`` outside ``1..n``, an ``epsilon`` that is not a number > 0 within the range of the type it is computed in,
+and non-float scores raise.
 float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
 """
-import math
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from softtopk_fairseq import defaults
 from softtopk_fairseq.ops import backends, cpu_kernels, implicit_backward
-from softtopk_fairseq.ops.arguments import check_selection, mask_along_last
+from softtopk_fairseq.ops.arguments import check_selection, mask_along_last, solver_option_problems
 from softtopk_fairseq.ops.backends import SolveOptions
 from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSED
 
@@ -226,7 +226,7 @@ def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors)
     with ``check_errors`` and the paper scaling only unsorted)."""
     if not (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.dim() > 0
             and (dim == -1 or dim == scores.dim() - 1) and type(k) is int and 0 < k <= scores.shape[-1]
-            and type(epsilon) in (float, int) and 0 < epsilon < math.inf and scaling in ("none", "paper")
+            and type(epsilon) in (float, int) and _FLOAT32.tiny <= epsilon <= _FLOAT32.max and scaling in ("none", "paper")
             and scores.is_contiguous() and scores.numel() > 0 and not torch.compiler.is_compiling()):
         return None
     impl = backends.thin_route(scores, backends.resolve(backend))
@@ -236,6 +236,7 @@ def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors)
 
 
 _PLAIN_TENSORS = (Tensor, nn.Parameter)
+_FLOAT32 = torch.finfo(torch.float32)  # (the thin route's epsilon range: temperature_problem's in float32)
 
 
 def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, opts: SolveOptions,
@@ -280,10 +281,8 @@ def _warn_if_capped(info: Tensor, tol: float, max_iter: int) -> None:
 
 def _validate(scores, k, epsilon, scaling, method, backend, mask, dim, tol, max_iter):
     check_selection("soft_topk", scores, k, dim, "epsilon", epsilon, mask)
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf):
-        raise ValueError(f"soft_topk: tol must be a finite number >= 0 (0: exactly max_iter steps), got {tol!r}")
-    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0):
-        raise ValueError(f"soft_topk: max_iter must be an int >= 0, got {max_iter!r}")
+    for problem in solver_option_problems(tol, max_iter):
+        raise ValueError(f"soft_topk: {problem}")
     if scaling not in SCALINGS:
         raise ValueError(f"soft_topk: scaling must be one of {SCALINGS}, got {scaling!r}")
     if method not in METHODS:
@@ -333,7 +332,11 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
     without ``dim``): ``epsilon`` itself, or with ``scaling="paper"`` ``epsilon * max_cost / 2`` of the row
     (over its valid entries: not ``-inf`` -- ``+inf`` with ``largest=False`` -- and not masked).
     Differentiable in ``scores`` (``detach`` it for bounds); ``softmax_k_times`` uses it for its temperature
-    and callers that reason about the solution (e.g. bounds on pruned candidates) need it."""
+    and callers that reason about the solution (e.g. bounds on pruned candidates) need it. Its arguments are
+    checked as :func:`soft_topk` checks them."""
+    check_selection("effective_epsilon", scores, k, dim, "epsilon", epsilon, mask)
+    if scaling not in SCALINGS:
+        raise ValueError(f"effective_epsilon: scaling must be one of {SCALINGS}, got {scaling!r}")
     x = scores.movedim(dim, -1)
     if not largest:
         x = -x
@@ -374,6 +377,10 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
     is no ``0 * inf``); the gradient is that of ``x / T`` throughout. For
     relaxations that take the temperature as a division of the scores (softmax-k-times, the perturbed top-k at
     ``sigma = 1``)."""
+    if not isinstance(temperature, Tensor) or temperature.shape != scores.shape[:-1]:
+        shape = tuple(temperature.shape) if isinstance(temperature, Tensor) else type(temperature).__name__
+        raise ValueError(f"divide_by_temperature: temperature must be a tensor shaped like the scores without their "
+                         f"last dimension, {tuple(scores.shape[:-1])}, got {shape}")
     if valid is None:
         valid = backends.valid_entries(scores, None)
     return _DivideByTemperature.apply(scores, temperature, valid)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq import defaults
-from softtopk_fairseq.ops.arguments import check_score_values, check_selection, mask_along_last
+from softtopk_fairseq.ops.arguments import check_score_values, check_selection, compute_dtype, mask_along_last
 from softtopk_fairseq.ops.backends import valid_entries
 from softtopk_fairseq.ops.soft_topk import SCALINGS, divide_by_temperature, effective_epsilon
 
@@ -43,7 +43,7 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = d
     dim = dim % scores.dim()
     x = scores.movedim(dim, -1)
     valid = valid_entries(x, None if mask is None else mask_along_last(mask, scores.shape, dim))
-    compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    compute = x.to(compute_dtype(x.dtype))
     T = effective_epsilon(compute, k, epsilon=epsilon, sorted=True, scaling=scaling, mask=valid)
     order = torch.topk(torch.where(valid, compute, -torch.inf).detach(), k, dim=-1)
     lowest = torch.finfo(compute.dtype).min
