@@ -256,6 +256,30 @@ def _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps):
 
 
 @triton.jit
+def _store_gradient_tile(grad_ptr, row, n, start, grad, x, keep, x_mean, nans, moment, EPS_GRAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """Store a tile of dL/dx (NaN throughout a refused row, ``nans > 0``) and return ``moment`` with, under
+    ``EPS_GRAD``, the tile's share of sum_i dL/dx_i (x_i - mean x) added (dL/deps = -moment / eps)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    tl.store(grad_ptr + row * n + offs_n, tl.where(nans == 0, grad, float("nan")), mask=offs_n < n)
+    if EPS_GRAD:
+        moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
+    return moment
+
+
+@triton.jit
+def _store_temperature_grad(grad_ptr, grad_eps_ptr, at_ptr, slope_ptr, row, n, moment, eps, nans,
+                            PAPER: tl.constexpr):
+    """dL/deps = -moment / eps (implicit_backward.temperature_grad; NaN for a refused row): stored, or with
+    ``PAPER`` added to dL/dx as the paper scaling's temperature passes it on (:func:`_add_temperature_share`)."""
+    grad_eps = tl.where(nans == 0, -moment / eps, float("nan"))
+    if PAPER:
+        _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps)
+    else:
+        tl.store(grad_eps_ptr + row, grad_eps)
+
+
+@triton.jit
 def _solve_free(s, ppt, rhs, m_act, MP: tl.constexpr, RIDGE_ULPS: tl.constexpr):
     """Solve (diag(s) - P P^T) x = rhs on the free anchors (active, not the pinned last one); x = 0 elsewhere."""
     lane = tl.arange(0, MP)
@@ -625,16 +649,9 @@ def soft_topk_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr, at_ptr,
                                         BLOCK_N, PLAN_FLOOR)
         y_bar = tl.sum(p * y[None, :], axis=1)
         grad = tl.where(keep, tl.sum(p * (y[None, :] - y_bar[:, None]) * (g - w[None, :]), axis=1) / eps, 0.0)
-        offs_n = start + tl.arange(0, BLOCK_N)
-        tl.store(grad_ptr + row * n + offs_n, tl.where(nans == 0, grad, float("nan")), mask=offs_n < n)
-        if EPS_GRAD:
-            moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
+        moment = _store_gradient_tile(grad_ptr, row, n, start, grad, x, keep, x_mean, nans, moment, EPS_GRAD, BLOCK_N)
     if EPS_GRAD:
-        grad_eps = tl.where(nans == 0, -moment / eps, float("nan"))
-        if PAPER:
-            _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps)
-        else:
-            tl.store(grad_eps_ptr + row, grad_eps)
+        _store_temperature_grad(grad_ptr, grad_eps_ptr, at_ptr, slope_ptr, row, n, moment, eps, nans, PAPER)
 
 
 @triton.jit
@@ -839,15 +856,9 @@ def soft_topk_unsorted_backward_kernel(out_ptr, g_ptr, x_ptr, valid_ptr, eps_ptr
         a = tl.load(out_ptr + row * n + offs_n, mask=keep, other=0.0)
         g = tl.load(g_ptr + row * n + offs_n, mask=keep, other=0.0)
         grad = tl.where(keep, a * (1.0 - a) * (g - mean_g) / eps, 0.0)
-        tl.store(grad_ptr + row * n + offs_n, tl.where(nans == 0, grad, float("nan")), mask=offs_n < n)
-        if EPS_GRAD:
-            moment += tl.sum(tl.where(keep, grad * (x - x_mean), 0.0), axis=0)
+        moment = _store_gradient_tile(grad_ptr, row, n, start, grad, x, keep, x_mean, nans, moment, EPS_GRAD, BLOCK_N)
     if EPS_GRAD:
-        grad_eps = tl.where(nans == 0, -moment / eps, float("nan"))
-        if PAPER:
-            _add_temperature_share(grad_ptr, at_ptr, slope_ptr, row, n, grad_eps)
-        else:
-            tl.store(grad_eps_ptr + row, grad_eps)
+        _store_temperature_grad(grad_ptr, grad_eps_ptr, at_ptr, slope_ptr, row, n, moment, eps, nans, PAPER)
 
 
 def padded_anchors(m: int) -> int:
