@@ -154,6 +154,12 @@ typedef struct { float *pl, *zmax, *inv, *g, *u, *wv, *a0, *a1, *tz; double *d; 
 
 static int64_t padded(int64_t n) { return (n + PAD - 1) / PAD * PAD; }
 
+/* One anchor's marginal error: |mass - target| relative to max(target, 1), 0 for an anchor without a target
+ * (solvers._marginal_error). */
+static inline double marginal_error(double mass, float target) {
+    return target > 0 ? fabs(mass - target) / (target > 1.0f ? target : 1.0) : 0.0;
+}
+
 /* Anchor masses s, P^T P (upper triangle) and the max relative marginal error for thresholds tz. */
 static double evaluate(const float *u, const float *wv, int64_t n, const float *tz, int ma, int mp,
                        const float *c, double *s, double *ppt, workspace *w) {
@@ -167,10 +173,8 @@ static double evaluate(const float *u, const float *wv, int64_t n, const float *
     }
     double err = 0.0;
     for (int l = 0; l < ma; l++) {
-        if (c[l] > 0) {
-            double e = fabs(s[l] - c[l]) / (c[l] > 1.0f ? c[l] : 1.0);
-            err = e > err ? e : err;
-        }
+        double e = marginal_error(s[l], c[l]);
+        err = e > err ? e : err;
     }
     return err;
 }
@@ -1390,10 +1394,8 @@ static void group_evaluate(const float *restrict ut, const float *restrict wt, i
     for (int q = 0; q < GROUP; q++) {
         double e = 0.0;
         for (int l = 0; l < ma; l++) {
-            if (c[l][q] > 0) {
-                double d = fabs(s[l][q] - c[l][q]) / (c[l][q] > 1.0f ? c[l][q] : 1.0);
-                e = d > e ? d : e;
-            }
+            double d = marginal_error(s[l][q], c[l][q]);
+            e = d > e ? d : e;
         }
         err[q] = e;
     }
