@@ -176,7 +176,7 @@ def test_topk_bookkeeping_keeps_distinct_beams_where_argmax_can_collapse():
 @pytest.mark.parametrize("relaxation", ["soft_topk", "softmax_k_times", "perturbed"])
 @pytest.mark.parametrize("bad, match", [
     (dict(epsilon=-0.5), "epsilon must be a finite number > 0, got -0.5"),
-    (dict(epsilon=1e-46), "epsilon=1e-46 is outside float32's range"),
+    (dict(epsilon=1e-320), "epsilon=1e-320 is outside float64's range"),  # (float32's: by the operator, below)
     (dict(scaling="bogus"), r"scaling must be one of \('none', 'paper'\), got 'bogus'"),
     (dict(tol=-1.0), "tol must be a finite number >= 0"),
     (dict(max_iter=2.5), "max_iter must be an int >= 0, got 2.5"),
@@ -191,6 +191,27 @@ def test_every_relaxations_options_are_checked_before_the_search_runs(relaxation
     model.encoder.forward = None  # (the search must not reach it)
     with pytest.raises(ValueError, match=f"soft_beam_search: {match}"):
         run(model, sample, d, beam=2, relaxation=relaxation, **{"epsilon": 0.5, **bad})
+
+
+@pytest.mark.parametrize("relaxation", ["soft_topk", "softmax_k_times", "perturbed"])
+def test_a_temperature_below_the_models_float_range_is_refused_by_the_operator_not_turned_to_nan(relaxation):
+    """The options' rule cannot know the scores' type; the operators hold the temperature to it: a float32 model's
+    search with epsilon 1e-46 (0 in float32) is refused, a float64 model's runs with finite results."""
+    d = dictionary()
+    sample = batch(d)
+    with pytest.raises(ValueError, match="epsilon=1e-46 is outside float32's range"):
+        run(build("lstm", d, dtype=torch.float32), sample, d, beam=2, relaxation=relaxation, epsilon=1e-46)
+    out = run(build("lstm", d), sample, d, beam=2, relaxation=relaxation, epsilon=1e-46)
+    assert bool(torch.isfinite(out.nll).all())
+
+
+def test_a_pruning_size_that_is_not_an_int_and_a_vocabulary_without_tokens_are_named_as_such():
+    from softtopk_fairseq.modules.soft_beam_search import search_option_problems, vocabulary_problems
+
+    assert search_option_problems(5, 5.0) == ["candidates must be an int, 0 (all) or >= beam, got 5.0"]
+    assert vocabulary_problems(3, 1, pad=1, eos=2) == []
+    assert vocabulary_problems(2, 1, pad=0, eos=1) == [
+        "the vocabulary of 2 tokens has none to extend a beam with besides pad and eos"]
 
 
 def test_a_beam_the_vocabulary_cannot_fill_and_foreign_special_tokens_are_refused():

@@ -199,6 +199,15 @@ def test_topk_attention_weights_checks_its_arguments_in_every_mode(bad, exc, mat
         topk_attention_weights(kwargs.pop("scores"), kwargs.pop("k"), **kwargs)
 
 
+def test_a_float64_attention_takes_a_temperature_below_float32s_range():
+    """The options' rule leaves the range to the operator, which knows the scores' type: float64 scores are computed
+    in float64, and a temperature float32 would round to 0 is theirs to use."""
+    scores = torch.randn(3, 6, dtype=torch.float64)
+    assert bool(torch.isfinite(topk_attention_weights(scores, 2, mode="soft_topk", epsilon=1e-39)).all())
+    with pytest.raises(ValueError, match="soft_topk: epsilon=1e-39 is outside float32's range"):
+        topk_attention_weights(scores.float(), 2, mode="soft_topk", epsilon=1e-39)
+
+
 def test_a_layer_refused_by_convert_is_left_as_it_was():
     """convert checks the options before it changes the layer: a refused conversion left a half-converted layer
     behind, whose next forward failed with an AttributeError."""

@@ -57,12 +57,13 @@ ARGUMENT_NAMES = {"epsilon": "epsilon", "scaling": "scaling", "tol": "tol", "max
 def option_problems(epsilon, scaling=defaults.OPERATOR_SCALING, tol=None, max_iter=None,
                     samples=defaults.PERTURBED_SAMPLES, names: Mapping[str, str] = ARGUMENT_NAMES) -> List[str]:
     """What is wrong with a relaxation's options, one line each naming the option by ``names``, its value and what
-    it must be (empty when nothing is): ``epsilon`` a number > 0 within float32's range (the type it is computed
-    in for every scores' type but float64; ``ops.arguments.temperature_problem``), ``scaling`` one of
-    ``ops.soft_topk.SCALINGS``, ``tol`` and ``max_iter`` the OT solver's (None: its defaults), ``samples`` an int
-    >= 1. One rule for every relaxation, whether or not it uses the option, so that a bad value is refused
-    before anything runs rather than ignored."""
-    problems = [temperature_problem(names["epsilon"], epsilon), count_problem(names["samples"], samples)]
+    it must be (empty when nothing is): ``epsilon`` a Python number > 0 (within float64's range: the scores' type,
+    unknown here, sets the range the operators then hold it to -- ``ops.arguments.temperature_problem``),
+    ``scaling`` one of ``ops.soft_topk.SCALINGS``, ``tol`` and ``max_iter`` the OT solver's (None: its defaults),
+    ``samples`` an int >= 1. One rule for every relaxation, whether or not it uses the option, so that a bad value
+    is refused before anything runs rather than ignored."""
+    problems = [temperature_problem(names["epsilon"], epsilon, torch.float64),
+                count_problem(names["samples"], samples)]
     if str(scaling) not in SCALINGS:
         problems.append(f"{names['scaling']} must be one of {SCALINGS}, got {scaling!r}")
     problems += solver_option_problems(tol, max_iter, names["tol"], names["max_iter"])

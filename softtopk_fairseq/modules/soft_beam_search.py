@@ -49,9 +49,10 @@ def search_option_problems(beam: int, candidates: int, names: Mapping[str, str] 
     value and what it must be (empty when nothing is): ``beam >= 1``, and ``candidates`` 0 (all) or at least
     ``beam`` -- the relaxed top-k of fewer than k candidates has no k ranks to fill."""
     problems = [problem for problem in [count_problem(names["beam"], beam)] if problem]
-    if (isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0
-            or (isinstance(beam, int) and 0 < candidates < beam)):
-        problems.append(f"{names['candidates']} must be 0 (all) or >= {names['beam']} ({beam}), got {candidates!r}")
+    if isinstance(candidates, bool) or not isinstance(candidates, int):
+        problems.append(f"{names['candidates']} must be an int, 0 (all) or >= {names['beam']}, got {candidates!r}")
+    elif candidates < 0 or (isinstance(beam, int) and 0 < candidates < beam):
+        problems.append(f"{names['candidates']} must be 0 (all) or >= {names['beam']} ({beam}), got {candidates}")
     return problems
 
 
@@ -62,6 +63,8 @@ def vocabulary_problems(V: int, beam: int, pad: int, eos: int,
     those two) -- with fewer, beams would repeat."""
     if not (0 <= pad < V and 0 <= eos < V and pad != eos):
         return [f"pad={pad} and eos={eos} must be two tokens of the vocabulary (0..{V - 1})"]
+    if V - 2 < 1:
+        return [f"the vocabulary of {V} tokens has none to extend a beam with besides pad and eos"]
     if beam > V - 2:
         return [f"{names['beam']} must be <= {V - 2}, the tokens a first step can extend with (the vocabulary of {V} "
                 f"less pad and eos), got {beam}"]
