@@ -39,7 +39,7 @@ from torch import Tensor
 from softtopk_fairseq import defaults
 from softtopk_fairseq.ops import (BadScoresError, bad_score_rows, divide_by_temperature, effective_epsilon,
                                   perturbed_topk, soft_topk, softmax_k_times)
-from softtopk_fairseq.ops.arguments import count_problem, solver_option_problems, temperature_problem
+from softtopk_fairseq.ops.arguments import count_problems, solver_option_problems, temperature_problems
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 USES = ("search", "attention")
@@ -58,16 +58,15 @@ def option_problems(epsilon, scaling=defaults.OPERATOR_SCALING, tol=None, max_it
                     samples=defaults.PERTURBED_SAMPLES, names: Mapping[str, str] = ARGUMENT_NAMES) -> List[str]:
     """What is wrong with a relaxation's options, one line each naming the option by ``names``, its value and what
     it must be (empty when nothing is): ``epsilon`` a Python number > 0 (within float64's range: the scores' type,
-    unknown here, sets the range the operators then hold it to -- ``ops.arguments.temperature_problem``),
+    unknown here, sets the range the operators then hold it to -- ``ops.arguments.temperature_problems``),
     ``scaling`` one of ``ops.soft_topk.SCALINGS``, ``tol`` and ``max_iter`` the OT solver's (None: its defaults),
     ``samples`` an int >= 1. One rule for every relaxation, whether or not it uses the option, so that a bad value
     is refused before anything runs rather than ignored."""
-    problems = [temperature_problem(names["epsilon"], epsilon, torch.float64),
-                count_problem(names["samples"], samples)]
+    problems = temperature_problems(names["epsilon"], epsilon, torch.float64)
+    problems += count_problems(names["samples"], samples)
     if str(scaling) not in SCALINGS:
         problems.append(f"{names['scaling']} must be one of {SCALINGS}, got {scaling!r}")
-    problems += solver_option_problems(tol, max_iter, names["tol"], names["max_iter"])
-    return [problem for problem in problems if problem]
+    return problems + solver_option_problems(tol, max_iter, names["tol"], names["max_iter"])
 
 
 class Relaxed(NamedTuple):
@@ -92,8 +91,7 @@ class Relaxation:
     def __init__(self, k: int, epsilon: float = defaults.EPSILON, scaling: str = defaults.OPERATOR_SCALING, *,
                  tol: Optional[float] = None, max_iter: Optional[int] = None,
                  samples: int = defaults.PERTURBED_SAMPLES):
-        problems = [problem for problem in [count_problem("k", k)] if problem]
-        problems += option_problems(epsilon, scaling, tol, max_iter, samples)
+        problems = count_problems("k", k) + option_problems(epsilon, scaling, tol, max_iter, samples)
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self.k, self.epsilon, self.scaling = k, epsilon, scaling

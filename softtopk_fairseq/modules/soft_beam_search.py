@@ -36,7 +36,7 @@ from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
 from softtopk_fairseq.modules.relaxations import Relaxation
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput
-from softtopk_fairseq.ops.arguments import count_problem
+from softtopk_fairseq.ops.arguments import count_problems
 
 USE = "search"
 BOOKKEEPING = ("argmax", "topk")
@@ -48,7 +48,7 @@ def search_option_problems(beam: int, candidates: int, names: Mapping[str, str] 
     """What is wrong with the beam size and the pruning size, one line each naming the option by ``names``, its
     value and what it must be (empty when nothing is): ``beam >= 1``, and ``candidates`` 0 (all) or at least
     ``beam`` -- the relaxed top-k of fewer than k candidates has no k ranks to fill."""
-    problems = [problem for problem in [count_problem(names["beam"], beam)] if problem]
+    problems = count_problems(names["beam"], beam)
     if isinstance(candidates, bool) or not isinstance(candidates, int):
         problems.append(f"{names['candidates']} must be an int, 0 (all) or >= {names['beam']}, got {candidates!r}")
     elif candidates < 0 or (isinstance(beam, int) and 0 < candidates < beam):

@@ -28,7 +28,7 @@ from torch import Tensor
 from softtopk_fairseq import defaults
 from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.relaxations import Relaxation
-from softtopk_fairseq.ops.arguments import check_scores, count_problem
+from softtopk_fairseq.ops.arguments import check_scores, count_problems
 
 USE = "attention"
 INFERENCE_SAME = "same"  # --topk-attn-inference: eval mode uses the training mode's weights
@@ -84,7 +84,7 @@ def topk_option_problems(k: int, epsilon: float, mode: str = defaults.TOPK_ATTN_
     for option, value, extra in (("mode", mode, ()), ("inference", inference, (INFERENCE_SAME,))):
         if str(value) not in extra + relaxations.accepted_names(USE):
             problems.append(f"{names[option]} must be one of {extra + relaxations.names(USE)}, got {value!r}")
-    problems += [problem for problem in [count_problem(names["k"], k)] if problem]
+    problems += count_problems(names["k"], k)
     problems += relaxations.option_problems(epsilon, samples=samples,
                                             names=dict(relaxations.ARGUMENT_NAMES, epsilon=names["epsilon"],
                                                        samples=names["samples"]))

@@ -17,23 +17,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def temperature_problem(name: str, value, dtype: torch.dtype = torch.float32) -> Optional[str]:
-    """What is wrong with a temperature (or noise scale) called ``name`` (None when nothing is): it must be a
+def temperature_problems(name: str, value, dtype: torch.dtype = torch.float32) -> List[str]:
+    """What is wrong with a temperature (or noise scale) called ``name`` (empty when nothing is): it must be a
     Python number, finite, > 0, and within the normal range of ``dtype``, the type it is computed in -- a
     smaller one is rounded towards 0 there (NaN outputs), a larger one overflows."""
     if isinstance(value, Tensor):  # a constant of the operators, not an input they differentiate
-        return f"{name} must be a Python float, got a Tensor"
+        return [f"{name} must be a Python float, got a Tensor"]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         kind = type(value).__qualname__ if type(value).__module__ == "builtins" else \
             f"{type(value).__module__}.{type(value).__qualname__}"
-        return f"{name} must be a Python float, got {value!r} (a {kind}: pass float(...))"
+        return [f"{name} must be a Python float, got {value!r} (a {kind}: pass float(...))"]
     if not (math.isfinite(value) and value > 0):
-        return f"{name} must be a finite number > 0, got {value!r}"
+        return [f"{name} must be a finite number > 0, got {value!r}"]
     info = torch.finfo(dtype)
     if not info.tiny <= value <= info.max:
-        return (f"{name}={value!r} is outside {info.dtype}'s range {info.tiny:.3g}..{info.max:.3g}, in which it is "
-                "computed" + (" (float64 scores are computed in float64)" if dtype != torch.float64 else ""))
-    return None
+        return [f"{name}={value!r} is outside {info.dtype}'s range {info.tiny:.3g}..{info.max:.3g}, in which it is "
+                "computed" + (" (float64 scores are computed in float64)" if dtype != torch.float64 else "")]
+    return []
 
 
 def solver_option_problems(tol, max_iter, tol_name: str = "tol", max_iter_name: str = "max_iter") -> List[str]:
@@ -47,12 +47,12 @@ def solver_option_problems(tol, max_iter, tol_name: str = "tol", max_iter_name: 
     return problems
 
 
-def count_problem(name: str, value, least: int = 1) -> Optional[str]:
+def count_problems(name: str, value, least: int = 1) -> List[str]:
     """What is wrong with a count called ``name`` -- ``k``, a beam size, the perturbed top-k's samples -- that
-    must be an int >= ``least`` (None when nothing is)."""
+    must be an int >= ``least`` (empty when nothing is)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        return f"{name} must be an int >= {least}, got {value!r}"
-    return None
+        return [f"{name} must be an int >= {least}, got {value!r}"]
+    return []
 
 
 def check_scores(op: str, scores, dim) -> None:
@@ -73,7 +73,7 @@ def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
                     mask: Optional[Tensor]) -> None:
     """Raise TypeError / ValueError unless the scores and ``dim`` pass :func:`check_scores`, ``k`` is an int in
     ``1..scores.shape[dim]``, the temperature (called ``temperature_name`` in the messages) passes
-    :func:`temperature_problem` in the scores' :func:`compute_dtype`, and ``mask`` is None or a bool tensor on the
+    :func:`temperature_problems` in the scores' :func:`compute_dtype`, and ``mask`` is None or a bool tensor on the
     scores' device that broadcasts to them."""
     check_scores(op, scores, dim)
     n = scores.shape[dim]
@@ -81,8 +81,7 @@ def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
         raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
     if not 1 <= k <= n:
         raise ValueError(f"{op}: k must be in 1..n = 1..{n} along dim {dim}, got k={k}")
-    problem = temperature_problem(temperature_name, temperature, compute_dtype(scores.dtype))
-    if problem:
+    for problem in temperature_problems(temperature_name, temperature, compute_dtype(scores.dtype)):
         raise (TypeError if isinstance(temperature, Tensor) else ValueError)(f"{op}: {problem}")
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq import defaults
-from softtopk_fairseq.ops.arguments import (check_score_values, check_selection, compute_dtype, count_problem,
+from softtopk_fairseq.ops.arguments import (check_score_values, check_selection, compute_dtype, count_problems,
                                             mask_along_last)
 
 
@@ -102,8 +102,7 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = defa
     from each sample in the backward (lower variance, still unbiased).
     """
     check_selection("perturbed_topk", scores, k, dim, "sigma", sigma, mask)
-    problem = count_problem("samples", samples)
-    if problem:
+    for problem in count_problems("samples", samples):
         raise ValueError(f"perturbed_topk: {problem}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"perturbed_topk: generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -236,7 +236,7 @@ def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors)
 
 
 _PLAIN_TENSORS = (Tensor, nn.Parameter)
-_FLOAT32 = torch.finfo(torch.float32)  # (the thin route's epsilon range: temperature_problem's in float32)
+_FLOAT32 = torch.finfo(torch.float32)  # (the thin route's epsilon range: temperature_problems' in float32)
 
 
 def _solve_with_temperature(x: Tensor, mask: Optional[Tensor], epsilon: float, scaling: str, opts: SolveOptions,
