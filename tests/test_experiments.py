@@ -642,3 +642,40 @@ def test_the_study_says_whether_the_first_pairs_attention_finding_holds_on_the_s
         {"BLEU": 30.0}, {"BLEU": 30.5}, {"BLEU": {"bootstrap": 0.01, "randomisation": 0.2}}))) == \
         "no measurable difference"
     assert report.replication({}, pairs[:1]) == []
+
+
+def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_trained_softmax(monkeypatch):
+    """The patience-10 line: the longer run's epochs and difference from the patience-5 run, and for each top-k arm
+    its lead on the seed against both baselines, said to close (no lead left), narrow or not narrow."""
+    monkeypatch.syspath_prepend(os.path.dirname(CONVERGED))  # (report imports significance beside it)
+    report = load("multi30k_converged_report", os.path.join(os.path.dirname(CONVERGED), "report.py"))
+    from significance import Comparison
+
+    def result(delta, p=0.2, seed=1):
+        return report.Result([seed], [Comparison({"BLEU": 30.0}, {"BLEU": 30.0 + delta},
+                                                 {"BLEU": {"bootstrap": p, "randomisation": 2 * p}})], None)
+
+    def row(method, epochs, curve):
+        return {"stage": "attention", "method": method, "seed": 1, "epochs": epochs,
+                "val_curve": [{"epoch": e, "updates": 10 * e, "bleu": b} for e, b in enumerate(curve, 1)]}
+
+    rows = {"attention.softmax.seed1": row("softmax", 4, [20, 30, 29, 28]),
+            "attention.softmax_patience10.seed1": row("softmax_patience10", 6, [20, 30, 29, 31, 30, 30])}
+    pair = report.Pair("en-de", "", "", rows, "", {})
+    assert report.fairness_line(pair, {}) == "- en-de: not measured yet."
+    found = {("softmax_patience10", "softmax", "en-de", "valid"): result(1.0),
+             ("softmax_patience10", "softmax", "en-de", "test"): result(0.4),
+             ("soft_topk", "softmax", "en-de", "test"): result(0.7),
+             ("soft_topk", "softmax_patience10", "en-de", "test"): result(0.3, 0.04),
+             ("hard_topk", "softmax", "en-de", "test"): result(0.3),
+             ("hard_topk", "softmax_patience10", "en-de", "test"): result(-0.1)}
+    line = report.fairness_line(pair, found)
+    assert line.startswith("- en-de, seed 1: with patience 10 the softmax run's best epoch is 4 and it stopped at 6 "
+                           "(patience 5: 2 / 4); against the patience-5 run +1.00 BLEU on val, +0.40 on test.")
+    assert "SOFT top-k +0.30 BLEU against it (p 0.040 bootstrap, 0.080 randomisation; +0.70 against patience 5): " \
+           "its lead narrows by 0.40" in line
+    assert "hard top-k -0.10 BLEU against it" in line and "; +0.30 against patience 5): its lead closes." in line
+    del found["hard_topk", "softmax_patience10", "en-de", "test"]
+    assert "hard top-k: not measured on seed 1." in report.fairness_line(pair, found)
+    assert report.lead_change(0.3, 0.5) == "its lead does not narrow"
+    assert report.lead_change(-0.2, -0.5) == "it had no lead to close"

@@ -270,6 +270,12 @@ def wall_seconds(row: dict) -> float:
     return float(sum(row["train_s_starts"])) if row.get("train_s_starts") else float(row["train_s"])
 
 
+def best_epoch(row: dict) -> Optional[int]:
+    """The epoch of a run's best validation (fairseq keeps the last of equal scores), None without validations."""
+    best = max(row["val_curve"], key=lambda p: (p["bleu"], p["updates"])) if row["val_curve"] else None
+    return best["epoch"] if best else None
+
+
 def convergence_table(pairs: List[Pair], stage: str, arms, patience: Dict[str, int]) -> List[str]:
     """Epochs to convergence per run (every run of ``stage`` and arm, keys shown): the best validation's epoch,
     the epoch early stopping ended at, and the training's wall hours (2 CPU cores, other work beside it)."""
@@ -283,8 +289,7 @@ def convergence_table(pairs: List[Pair], stage: str, arms, patience: Dict[str, i
             epochs, hours = [], []
             for key in keys.values():
                 row = pair.rows[key]
-                best = max(row["val_curve"], key=lambda p: (p["bleu"], p["updates"])) if row["val_curve"] else None
-                epochs.append(f"{best['epoch'] if best else '-'} / {row['epochs']}")
+                epochs.append(f"{best_epoch(row) or '-'} / {row['epochs']}")
                 hours.append(f"{wall_seconds(row) / 3600:.1f}")
             converged = sum(bool(pair.rows[k]["converged"]) for k in keys.values())
             lines.append(f"| {ARM_NAMES.get(arm, arm)} (patience {patience.get(arm, 5)}) | {pair.name} | "
@@ -498,23 +503,46 @@ def _seed_delta(result: Optional[Result], seed: int, metric: str = "BLEU") -> st
     return f"{result.deltas(metric)[result.seeds.index(seed)]:+.2f}"
 
 
+def lead_change(before: float, after: float) -> str:
+    """What a longer-trained baseline does to a system's lead on one seed: ``before`` its difference from the
+    patience-5 baseline, ``after`` from the patience-10 one."""
+    if before <= 0:
+        return "it had no lead to close"
+    if after <= 0:
+        return "its lead closes"
+    if after < before:
+        return f"its lead narrows by {before - after:.2f}"
+    return "its lead does not narrow"
+
+
 def fairness_line(pair: Pair, found: dict) -> str:
-    """The patience-10 softmax run of a pair against its patience-5 run, and the top-k arms against both."""
+    """The patience-10 softmax run of a pair against its patience-5 run, and whether the top-k arms' lead on test
+    BLEU closes against it (one seed: that seed's paired tests)."""
     name = pair.name
-    p10 = found.get(("softmax_patience10", "softmax", pair.name, "valid"))
+    p10 = found.get(("softmax_patience10", "softmax", name, "valid"))
     if p10 is None:
         return f"- {name}: not measured yet."
     seed = p10.seeds[0]
-    epochs = {arm: pair.rows[arm_keys(pair, "attention", arm)[seed]]["epochs"] for arm in ("softmax",
-                                                                                         "softmax_patience10")}
-    test = {(s, b): found.get((s, b, pair.name, "test")) for s in ("soft_topk", "hard_topk")
-            for b in ("softmax", "softmax_patience10")}
-    return (f"- {name}, seed {seed}: with patience 10 the softmax run stopped at epoch {epochs['softmax_patience10']} "
-            f"(patience 5: {epochs['softmax']}), {_seed_delta(p10, seed)} BLEU on val against the patience-5 run. On "
-            f"test, SOFT top-k is {_seed_delta(test['soft_topk', 'softmax_patience10'], seed)} BLEU against it "
-            f"({_seed_delta(test['soft_topk', 'softmax'], seed)} against patience 5), hard top-k "
-            f"{_seed_delta(test['hard_topk', 'softmax_patience10'], seed)} "
-            f"({_seed_delta(test['hard_topk', 'softmax'], seed)}).")
+    rows = {arm: pair.rows[arm_keys(pair, "attention", arm)[seed]] for arm in ("softmax", "softmax_patience10")}
+    run = (f"- {name}, seed {seed}: with patience 10 the softmax run's best epoch is "
+           f"{best_epoch(rows['softmax_patience10'])} and it stopped at {rows['softmax_patience10']['epochs']} "
+           f"(patience 5: {best_epoch(rows['softmax'])} / {rows['softmax']['epochs']}); against the patience-5 run "
+           f"{_seed_delta(p10, seed)} BLEU on val, "
+           f"{_seed_delta(found.get(('softmax_patience10', 'softmax', name, 'test')), seed)} on test.")
+    leads = []
+    for system in ("soft_topk", "hard_topk"):
+        longer = found.get((system, "softmax_patience10", name, "test"))
+        shorter = found.get((system, "softmax", name, "test"))
+        if longer is None or shorter is None or seed not in longer.seeds or seed not in shorter.seeds:
+            leads.append(f"{ARM_NAMES[system]}: not measured on seed {seed}")
+            continue
+        after = longer.per_seed[longer.seeds.index(seed)]
+        before = shorter.per_seed[shorter.seeds.index(seed)].delta("BLEU")
+        p = after.p["BLEU"]
+        leads.append(f"{ARM_NAMES[system]} {after.delta('BLEU'):+.2f} BLEU against it (p {_p(p['bootstrap'])} "
+                     f"bootstrap, {_p(p['randomisation'])} randomisation; {before:+.2f} against patience 5): "
+                     f"{lead_change(before, after.delta('BLEU'))}")
+    return f"{run} On test, {'; '.join(leads)}."
 
 
 COMMAND = ("python experiments/multi30k_converged/driver.py report "
