@@ -588,8 +588,10 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         f"seeds the spread between runs is measured only roughly (the t-test column). This page reports {n_tests} "
         "p-values (per seed and pooled, BLEU and chrF, bootstrap and randomisation): at 0.05, a few of them are "
         "below it by chance alone. Every choice of the study (checkpoint, sweep) saw val; test_2016_flickr was "
-        "scored for every run. Three further test sets were translated by every en-de run (and by the en-fr runs "
-        "whose checkpoints existed) and are scored outside the project: their hypotheses are in "
+        "scored for every run. Three further test sets (test_2017_flickr, test_2018_flickr, test_2017_mscoco; "
+        "sources only) were translated by every en-de run and by every en-fr run trained after they were added -- "
+        "the earlier en-fr runs' checkpoints no longer existed, and they were not trained again for this -- and "
+        "are scored outside the project: their hypotheses are in "
         "`experiments/multi30k_converged/*.blind/`, and nothing here reads them.",
         "",
         f"Reproduce this page: `{COMMAND}` (the tests are cached beside the ledgers; delete "
