@@ -643,6 +643,17 @@ def test_the_study_says_whether_the_first_pairs_attention_finding_holds_on_the_s
         "no measurable difference"
     assert report.replication({}, pairs[:1]) == []
 
+    def versus(bleu_p, chrf_p, seeds=2):  # SOFT against hard top-k, both metrics +0.5
+        pooled = Comparison({"BLEU": 30.0, "chrF": 50.0}, {"BLEU": 30.5, "chrF": 50.5},
+                            {"BLEU": {"bootstrap": bleu_p, "randomisation": bleu_p},
+                             "chrF": {"bootstrap": chrf_p, "randomisation": chrf_p}})
+        return report.Result(list(range(1, seeds + 1)), [pooled] * seeds, pooled if seeds > 1 else None)
+
+    assert report.soft_against_hard(versus(0.01, 0.01, seeds=1)) == "one seed: no pooled test yet."
+    assert report.soft_against_hard(versus(0.3, 0.2)).startswith("no measurable difference between the two")
+    assert report.soft_against_hard(versus(0.003, 0.2)) == \
+        "SOFT top-k measurably different at k 4, epsilon 0.1: a gain on BLEU, no measurable difference on chrF."
+
 
 def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_trained_softmax(monkeypatch):
     """The patience-10 line: the longer run's epochs and difference from the patience-5 run, and for each top-k arm
