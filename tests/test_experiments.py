@@ -480,7 +480,7 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
     report_reading_nothing_from(blind_out, ["--pair", str(ledger), str(data)], monkeypatch)
     page = capsys.readouterr().out
     # its convergence row, from the ledger alone: seed 1, best epoch / stopped at, training hours
-    assert re.search(r"\| teacher_forcing \(patience 5\) \| en-fr \| s1 1 / 1 \| s1 \d+\.\d \| 0/1 \|", page), page
+    assert re.search(r"\| teacher_forcing \| en-fr \| 1 \| s1 1 / 1 \| s1 \d+\.\d \| 0/1 \|", page), page
     assert "- **Top-k attention, en-fr**: not measured yet." in page  # no claim without runs
 
 

@@ -276,11 +276,18 @@ def best_epoch(row: dict) -> Optional[int]:
     return best["epoch"] if best else None
 
 
-def convergence_table(pairs: List[Pair], stage: str, arms, patience: Dict[str, int]) -> List[str]:
-    """Epochs to convergence per run (every run of ``stage`` and arm, keys shown): the best validation's epoch,
-    the epoch early stopping ended at, and the training's wall hours (2 CPU cores, other work beside it)."""
-    lines = ["| arm | pair | best epoch / stopped at, per seed | training hours, per seed | converged |",
-             "|---|---|---|---|---|"]
+def early_stopping_patience(row: dict) -> str:
+    """The ``--patience`` a run trained with, as its ledger row records it ("-": none given)."""
+    extra = row.get("extra", [])
+    return extra[extra.index("--patience") + 1] if "--patience" in extra[:-1] else "-"
+
+
+def convergence_table(pairs: List[Pair], stage: str, arms) -> List[str]:
+    """Epochs to convergence per run (every run of ``stage`` and arm, keys shown): the early-stopping patience it
+    trained with, the best validation's epoch, the epoch early stopping ended at, and the training's wall hours
+    (2 CPU cores, other work beside it)."""
+    lines = ["| arm | pair | patience | best epoch / stopped at, per seed | training hours, per seed | converged |",
+             "|---|---|---|---|---|---|"]
     for arm in arms:
         for pair in pairs:
             keys = arm_keys(pair, stage, arm)
@@ -291,9 +298,10 @@ def convergence_table(pairs: List[Pair], stage: str, arms, patience: Dict[str, i
                 row = pair.rows[key]
                 epochs.append(f"{best_epoch(row) or '-'} / {row['epochs']}")
                 hours.append(f"{wall_seconds(row) / 3600:.1f}")
+            patience = ", ".join(sorted({early_stopping_patience(pair.rows[k]) for k in keys.values()}))
             converged = sum(bool(pair.rows[k]["converged"]) for k in keys.values())
-            lines.append(f"| {ARM_NAMES.get(arm, arm)} (patience {patience.get(arm, 5)}) | {pair.name} | "
-                         f"{_seeded(list(keys), epochs)} | {_seeded(list(keys), hours)} | {converged}/{len(keys)} |")
+            lines.append(f"| {ARM_NAMES.get(arm, arm)} | {pair.name} | {patience} | {_seeded(list(keys), epochs)} | "
+                         f"{_seeded(list(keys), hours)} | {converged}/{len(keys)} |")
     return lines
 
 
@@ -624,7 +632,7 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         "(`--lr-patience 1`: torch's plateau rule counts epochs without a gain and acts when the count exceeds the "
         "patience); training stops after 5 epochs without a gain (`--patience 5`; the fairness arm 10).",
         "",
-        *convergence_table(pairs, "attention", attention_arms, {"softmax_patience10": 10}),
+        *convergence_table(pairs, "attention", attention_arms),
         "",
         "### Fairness check: the softmax baseline with a longer patience",
         "",
@@ -657,7 +665,7 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         "The RNNsearch models the fine-tunings start from, trained to convergence with the same rule (teacher "
         "forcing, Adam 1e-3).",
         "",
-        *convergence_table(pairs, "pretrain", ["teacher_forcing"], {}),
+        *convergence_table(pairs, "pretrain", ["teacher_forcing"]),
         "",
         *rerun_table(pairs),
         "",
