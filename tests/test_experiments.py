@@ -666,12 +666,14 @@ def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_
         return report.Result([seed], [Comparison({"BLEU": 30.0}, {"BLEU": 30.0 + delta},
                                                  {"BLEU": {"bootstrap": p, "randomisation": 2 * p}})], None)
 
-    def row(method, epochs, curve):
+    def row(method, epochs, curve, patience):
         return {"stage": "attention", "method": method, "seed": 1, "epochs": epochs,
+                "extra": ["--lr-patience", "1", "--patience", str(patience)],
                 "val_curve": [{"epoch": e, "updates": 10 * e, "bleu": b} for e, b in enumerate(curve, 1)]}
 
-    rows = {"attention.softmax.seed1": row("softmax", 4, [20, 30, 29, 28]),
-            "attention.softmax_patience10.seed1": row("softmax_patience10", 6, [20, 30, 29, 31, 30, 30])}
+    # The patience each run trained with is read from its row (these are not the study's 5 and 10).
+    rows = {"attention.softmax.seed1": row("softmax", 4, [20, 30, 29, 28], 2),
+            "attention.softmax_patience10.seed1": row("softmax_patience10", 6, [20, 30, 29, 31, 30, 30], 4)}
     pair = report.Pair("en-de", "", "", rows, "", {})
     assert report.fairness_line(pair, {}) == "- en-de: not measured yet."
     found = {("softmax_patience10", "softmax", "en-de", "valid"): result(1.0),
@@ -681,11 +683,11 @@ def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_
              ("hard_topk", "softmax", "en-de", "test"): result(0.3),
              ("hard_topk", "softmax_patience10", "en-de", "test"): result(-0.1)}
     line = report.fairness_line(pair, found)
-    assert line.startswith("- en-de, seed 1: with patience 10 the softmax run's best epoch is 4 and it stopped at 6 "
-                           "(patience 5: 2 / 4); against the patience-5 run +1.00 BLEU on val, +0.40 on test.")
-    assert "SOFT top-k +0.30 BLEU against it (p 0.040 bootstrap, 0.080 randomisation; +0.70 against patience 5): " \
+    assert line.startswith("- en-de, seed 1: with patience 4 the softmax run's best epoch is 4 and it stopped at 6 "
+                           "(patience 2: 2 / 4); against the patience-2 run +1.00 BLEU on val, +0.40 on test.")
+    assert "SOFT top-k +0.30 BLEU against it (p 0.040 bootstrap, 0.080 randomisation; +0.70 against patience 2): " \
            "its lead narrows by 0.40" in line
-    assert "hard top-k -0.10 BLEU against it" in line and "; +0.30 against patience 5): its lead closes." in line
+    assert "hard top-k -0.10 BLEU against it" in line and "; +0.30 against patience 2): its lead closes." in line
     del found["hard_topk", "softmax_patience10", "en-de", "test"]
     assert "hard top-k: not measured on seed 1." in report.fairness_line(pair, found)
     assert report.lead_change(0.3, 0.5) == "its lead does not narrow"

@@ -540,9 +540,11 @@ def fairness_line(pair: Pair, found: dict) -> str:
         return f"- {name}: not measured yet."
     seed = p10.seeds[0]
     rows = {arm: pair.rows[arm_keys(pair, "attention", arm)[seed]] for arm in ("softmax", "softmax_patience10")}
-    run = (f"- {name}, seed {seed}: with patience 10 the softmax run's best epoch is "
+    longer_p, shorter_p = (early_stopping_patience(rows[arm]) for arm in ("softmax_patience10", "softmax"))
+    run = (f"- {name}, seed {seed}: with patience {longer_p} the softmax run's best epoch is "
            f"{best_epoch(rows['softmax_patience10'])} and it stopped at {rows['softmax_patience10']['epochs']} "
-           f"(patience 5: {best_epoch(rows['softmax'])} / {rows['softmax']['epochs']}); against the patience-5 run "
+           f"(patience {shorter_p}: {best_epoch(rows['softmax'])} / {rows['softmax']['epochs']}); against the "
+           f"patience-{shorter_p} run "
            f"{_seed_delta(p10, seed)} BLEU on val, "
            f"{_seed_delta(found.get(('softmax_patience10', 'softmax', name, 'test')), seed)} on test.")
     leads = []
@@ -556,7 +558,7 @@ def fairness_line(pair: Pair, found: dict) -> str:
         before = shorter.per_seed[shorter.seeds.index(seed)].delta("BLEU")
         p = after.p["BLEU"]
         leads.append(f"{ARM_NAMES[system]} {after.delta('BLEU'):+.2f} BLEU against it (p {_p(p['bootstrap'])} "
-                     f"bootstrap, {_p(p['randomisation'])} randomisation; {before:+.2f} against patience 5): "
+                     f"bootstrap, {_p(p['randomisation'])} randomisation; {before:+.2f} against patience {shorter_p}): "
                      f"{lead_change(before, after.delta('BLEU'))}")
     return f"{run} On test, {'; '.join(leads)}."
 
