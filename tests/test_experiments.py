@@ -673,7 +673,7 @@ def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_
 
     # The patience each run trained with is read from its row (these are not the study's 5 and 10).
     rows = {"attention.softmax.seed1": row("softmax", 4, [20, 30, 29, 28], 2),
-            "attention.softmax_patience10.seed1": row("softmax_patience10", 6, [20, 30, 29, 31, 30, 30], 4)}
+            "attention.softmax_patience10.seed1": row("softmax_patience10", 6, [20, 30, 29, 28, 31, 30], 4)}
     pair = report.Pair("en-de", "", "", rows, "", {})
     assert report.fairness_line(pair, {}) == "- en-de: not measured yet."
     found = {("softmax_patience10", "softmax", "en-de", "valid"): result(1.0),
@@ -683,12 +683,16 @@ def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_
              ("hard_topk", "softmax", "en-de", "test"): result(0.3),
              ("hard_topk", "softmax_patience10", "en-de", "test"): result(-0.1)}
     line = report.fairness_line(pair, found)
-    assert line.startswith("- en-de, seed 1: with patience 4 the softmax run's best epoch is 4 and it stopped at 6 "
-                           "(patience 2: 2 / 4); against the patience-2 run +1.00 BLEU on val, +0.40 on test.")
+    assert line.startswith("- en-de, seed 1: with patience 4 the softmax run's best epoch is 5 and it stopped at 6 "
+                           "(patience 2: 2 / 4); against the patience-2 run +1.00 BLEU on val, +0.40 on test; "
+                           "its val curve repeats the shorter run's up to that run's stop.")
     assert "SOFT top-k +0.30 BLEU against it (p 0.040 bootstrap, 0.080 randomisation; +0.70 against patience 2): " \
            "its lead narrows by 0.40" in line
     assert "hard top-k -0.10 BLEU against it" in line and "; +0.30 against patience 2): its lead closes." in line
     del found["hard_topk", "softmax_patience10", "en-de", "test"]
     assert "hard top-k: not measured on seed 1." in report.fairness_line(pair, found)
+    rows["attention.softmax_patience10.seed1"]["val_curve"][2]["bleu"] = 29.5
+    assert "; its val curve differs from the shorter run's from epoch 3 on (the two did not compute bit for bit " \
+           "alike), so the difference" in report.fairness_line(pair, found)
     assert report.lead_change(0.3, 0.5) == "its lead does not narrow"
     assert report.lead_change(-0.2, -0.5) == "it had no lead to close"

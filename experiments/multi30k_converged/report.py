@@ -531,6 +531,17 @@ def lead_change(before: float, after: float) -> str:
     return "its lead does not narrow"
 
 
+def curves_part(longer: dict, shorter: dict) -> str:
+    """Where the val curve of a run trained again with a longer patience leaves the shorter run's: from the start a
+    rerun repeats the shorter run only if it computes bit for bit alike (same code, same CPU thread count)."""
+    ours, theirs = ([c["bleu"] for c in row["val_curve"]] for row in (longer, shorter))
+    apart = next((e for e, (a, b) in enumerate(zip(ours, theirs), 1) if a != b), None)
+    if apart is None:
+        return "its val curve repeats the shorter run's up to that run's stop"
+    return (f"its val curve differs from the shorter run's from epoch {apart} on (the two did not compute bit for bit "
+            "alike), so the difference between them mixes the longer patience with run-to-run variation")
+
+
 def fairness_line(pair: Pair, found: dict) -> str:
     """The patience-10 softmax run of a pair against its patience-5 run, and whether the top-k arms' lead on test
     BLEU closes against it (one seed: that seed's paired tests)."""
@@ -546,7 +557,8 @@ def fairness_line(pair: Pair, found: dict) -> str:
            f"(patience {shorter_p}: {best_epoch(rows['softmax'])} / {rows['softmax']['epochs']}); against the "
            f"patience-{shorter_p} run "
            f"{_seed_delta(p10, seed)} BLEU on val, "
-           f"{_seed_delta(found.get(('softmax_patience10', 'softmax', name, 'test')), seed)} on test.")
+           f"{_seed_delta(found.get(('softmax_patience10', 'softmax', name, 'test')), seed)} on test; "
+           f"{curves_part(rows['softmax_patience10'], rows['softmax'])}.")
     leads = []
     for system in ("soft_topk", "hard_topk"):
         longer = found.get((system, "softmax_patience10", name, "test"))
