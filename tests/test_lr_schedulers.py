@@ -141,3 +141,27 @@ def test_fairseq_train_continued_matches_uninterrupted(toy_data_bin, tmp_path):
     assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt", rest), rest[-3000:]
     assert len(once) == 5 and len({rate for _, rate in once}) >= 3, once  # the rate did move
     assert first + epochs(rest) == once
+
+
+def test_fairseq_train_continued_keeps_the_early_stopping_count(toy_data_bin, tmp_path):
+    """``--patience`` through fairseq-train run as ``python -m fairseq_cli.train`` (how this package runs it, and
+    where fairseq-train is ``__main__``, not ``fairseq_cli.train``): at learning rate 0 the val loss never improves
+    after epoch 1, so patience 2 stops at epoch 3 -- and so does a run stopped after epoch 2 and continued, whose
+    early-stopping count would otherwise start again from zero (stopping at epoch 5)."""
+    def train(save, max_epoch):
+        return fairseq("train", toy_data_bin, "--user-dir", USER_DIR, "--cpu", "--seed", "1",
+                       *tiny_arch("transformer"), "--dropout", "0", "--optimizer", "adam", "--lr", "0",
+                       "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--patience", "2",
+                       "--criterion", "cross_entropy", "--max-tokens", "400", "--max-epoch", str(max_epoch),
+                       "--save-dir", save, "--no-epoch-checkpoints", "--log-format", "simple", "--num-workers", "0",
+                       "--required-batch-size-multiple", "1").stdout
+
+    def validated(log):
+        return [int(e) for e in re.findall(r"epoch (\d+) \| valid on 'valid' subset", log)]
+
+    once = train(tmp_path / "once", 10)
+    assert validated(once) == [1, 2, 3] and "early stop" in once, once[-3000:]
+    assert validated(train(tmp_path / "split", 2)) == [1, 2]
+    rest = train(tmp_path / "split", 10)
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt", rest), rest[-3000:]
+    assert validated(rest) == [3] and "early stop" in rest, rest[-3000:]

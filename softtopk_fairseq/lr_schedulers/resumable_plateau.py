@@ -37,9 +37,13 @@ PLATEAU_COUNTERS = ("num_bad_epochs", "cooldown_counter")
 
 def _early_stopping():
     """fairseq-train's early-stopping function (its state lives in its attributes), or None outside
-    fairseq-train."""
-    train = sys.modules.get("fairseq_cli.train")
-    return getattr(train, "should_stop_early", None)
+    fairseq-train. Run as ``python -m fairseq_cli.train`` (as this package's tools run it), fairseq-train is the
+    module ``__main__`` and ``fairseq_cli.train`` is not imported at all; run as the ``fairseq-train`` script
+    (or by ``fairseq-hydra-train``), it is ``fairseq_cli.train``."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == "fairseq_cli.train":
+        return getattr(main, "should_stop_early", None)
+    return getattr(sys.modules.get("fairseq_cli.train"), "should_stop_early", None)
 
 
 def _best_score():
