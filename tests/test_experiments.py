@@ -696,3 +696,32 @@ def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_
            "alike), so the difference" in report.fairness_line(pair, found)
     assert report.lead_change(0.3, 0.5) == "its lead does not narrow"
     assert report.lead_change(-0.2, -0.5) == "it had no lead to close"
+
+
+def test_the_stopping_check_finds_runs_that_trained_past_their_early_stopping_rule(monkeypatch):
+    """A restart that lost early stopping's count trains on: the page names every run whose last epoch is not
+    where its rule (patience after the last strict gain of its own val curve) stops, and says whether its scored
+    checkpoint is still the rule's."""
+    monkeypatch.syspath_prepend(os.path.dirname(CONVERGED))
+    report = load("multi30k_converged_report", os.path.join(os.path.dirname(CONVERGED), "report.py"))
+
+    def row(curve, epochs, patience=2):
+        return {"stage": "attention", "method": "softmax", "seed": 1, "epochs": epochs,
+                "extra": ["--patience", str(patience)],
+                "val_curve": [{"epoch": e, "updates": 10 * e, "bleu": b} for e, b in enumerate(curve, 1)]}
+
+    # a tie is no gain: 30 at epoch 2, then 30 and 29 -> the rule stops at epoch 4
+    assert report.rule_stop(row([20, 30, 30, 29], 4)) == 4
+    assert report.rule_stop(row([20, 30, 30, 29], 4, patience=3)) is None
+    assert report.rule_stop({**row([20, 30], 2), "extra": []}) is None
+    good = {"attention.softmax.seed1": row([20, 30, 30, 29], 4)}
+    pair = report.Pair("en-de", "", "", good, "", {})
+    assert report.stopping_check([pair], "attention", ["softmax"]).startswith("Every run stopped at the epoch")
+    pair.rows["attention.softmax.seed2"] = {**row([20, 30, 29, 28, 29, 29], 6), "seed": 2}
+    pair.rows["attention.softmax.seed3"] = {**row([20, 30, 29, 28, 31, 29, 28], 7), "seed": 3}
+    line = report.stopping_check([pair], "attention", ["softmax"])
+    assert line.startswith("Every other run stopped")
+    assert "en-de `attention.softmax.seed2` trained to epoch 6, where its rule stops at 4; its best epoch (2) is " \
+           "before that, so the checkpoint scored is the rule's" in line
+    assert "`attention.softmax.seed3` trained to epoch 7, where its rule stops at 4; its best epoch (5) is after " \
+           "that: the checkpoint scored is not the rule's." in line

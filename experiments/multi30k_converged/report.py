@@ -282,6 +282,45 @@ def early_stopping_patience(row: dict) -> str:
     return extra[extra.index("--patience") + 1] if "--patience" in extra[:-1] else "-"
 
 
+def rule_stop(row: dict) -> Optional[int]:
+    """The epoch early stopping ends a run at, by its rule applied to its val curve: the first epoch ``--patience``
+    validations after the last strict gain (fairseq's ``should_stop_early``); None when the curve never gets there."""
+    patience = early_stopping_patience(row)
+    if patience == "-":
+        return None
+    best, since = None, 0
+    for point in row["val_curve"]:
+        if best is None or point["bleu"] > best:
+            best, since = point["bleu"], 0
+        else:
+            since += 1
+            if since >= int(patience):
+                return point["epoch"]
+    return None
+
+
+def stopping_check(pairs: List[Pair], stage: str, arms) -> str:
+    """Whether each run stopped where its early-stopping rule, applied to its own val curve, says -- a restart that
+    lost the rule's count trains on -- and, where it did not, whether the checkpoint scored is still the rule's."""
+    late = []
+    for arm in arms:
+        for pair in pairs:
+            for key in arm_keys(pair, stage, arm).values():
+                row = pair.rows[key]
+                stop = rule_stop(row)
+                if stop is None or stop == row["epochs"]:
+                    continue
+                best = best_epoch(row)
+                late.append(f"{pair.name} `{key}` trained to epoch {row['epochs']}, where its rule stops at {stop}; "
+                            + (f"its best epoch ({best}) is before that, so the checkpoint scored is the rule's"
+                               if best is not None and best <= stop else
+                               f"its best epoch ({best}) is after that: the checkpoint scored is not the rule's"))
+    if not late:
+        return ("Every run stopped at the epoch its early-stopping rule gives on its own val curve, the runs "
+                "continued after an interruption included.")
+    return "Every other run stopped at the epoch its rule gives on its own val curve. " + "; ".join(late) + "."
+
+
 def convergence_table(pairs: List[Pair], stage: str, arms) -> List[str]:
     """Epochs to convergence per run (every run of ``stage`` and arm, keys shown): the early-stopping patience it
     trained with, the best validation's epoch, the epoch early stopping ended at, and the training's wall hours
@@ -647,6 +686,8 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         "patience); training stops after 5 epochs without a gain (`--patience 5`; the fairness arm 10).",
         "",
         *convergence_table(pairs, "attention", attention_arms),
+        "",
+        stopping_check(pairs, "attention", attention_arms),
         "",
         "### Fairness check: the softmax baseline with a longer patience",
         "",
