@@ -720,7 +720,8 @@ def test_the_stopping_check_finds_runs_that_trained_past_their_early_stopping_ru
     pair.rows["attention.softmax.seed2"] = {**row([20, 30, 29, 28, 29, 29], 6), "seed": 2}
     pair.rows["attention.softmax.seed3"] = {**row([20, 30, 29, 28, 31, 29, 28], 7), "seed": 3}
     line = report.stopping_check([pair], "attention", ["softmax"])
-    assert line.startswith("Every other run stopped")
+    assert line.startswith("Every other run stopped at the epoch its rule gives on its own val curve. A run "
+                           "continued after an interruption trains on")
     assert "en-de `attention.softmax.seed2` trained to epoch 6, where its rule stops at 4; its best epoch (2) is " \
            "before that, so the checkpoint scored is the rule's" in line
     assert "`attention.softmax.seed3` trained to epoch 7, where its rule stops at 4; its best epoch (5) is after " \

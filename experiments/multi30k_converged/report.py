@@ -318,7 +318,9 @@ def stopping_check(pairs: List[Pair], stage: str, arms) -> str:
     if not late:
         return ("Every run stopped at the epoch its early-stopping rule gives on its own val curve, the runs "
                 "continued after an interruption included.")
-    return "Every other run stopped at the epoch its rule gives on its own val curve. " + "; ".join(late) + "."
+    return ("Every other run stopped at the epoch its rule gives on its own val curve. A run continued after an "
+            "interruption trains on past that epoch when its restart loses early stopping's count: "
+            + "; ".join(late) + ".")
 
 
 def convergence_table(pairs: List[Pair], stage: str, arms) -> List[str]:
