@@ -206,6 +206,81 @@ def bench_floor(args, results):
         print(f"- {note}")
 
 
+# The host cost of a small call: the README's call on 4 x 16 scores, forward + backward, with and without
+# check_errors; without must not cost more (the floor table's CPU target, with room for the rounds' noise).
+SMALL_CALL = (4, 16)
+SMALL_CALL_TARGET = 1.1
+
+
+def bench_small_call(args, results):
+    """The floor table's small-call row: check_errors=False timed in turn with check_errors=True, and its target
+    (printed line)."""
+    x = torch.randn(*SMALL_CALL, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(*SMALL_CALL, K, generator=torch.Generator().manual_seed(1))
+    calls = {checked: forward_backward(lambda z, checked=checked: soft_topk(z, K, epsilon=EPS, check_errors=checked),
+                                       x, w) for checked in (True, False)}
+    timed = harness.compare(("check_errors=True", calls[True]), {"check_errors=False": calls[False]},
+                            args.floor_rounds * 10)
+    shape = f"small {SMALL_CALL[0]}x{SMALL_CALL[1]}"
+    for row in ("check_errors=True", "check_errors=False"):
+        results.add(f"ours unsorted {row}", timed.seconds(row), shape=shape, table="floor",
+                    baseline=None if row.endswith("True") else "ours unsorted check_errors=True",
+                    baseline_seconds=None if row.endswith("True") else timed.seconds("check_errors=True"))
+    got = timed.ratio("check_errors=False")
+    return (f"{shape}, the host cost of a small call: ours unsorted {timed.seconds('check_errors=True') * 1e6:.0f} us "
+            f"with check_errors, {timed.seconds('check_errors=False') * 1e6:.0f} us without",
+            f"target: check_errors=False <= {SMALL_CALL_TARGET:g}x check_errors=True at {shape}: "
+            f"{'met' if got <= SMALL_CALL_TARGET else 'NOT met'} ({got:.2f}x)")
+
+
+# The call-cost table: the operator at the sizes a training step calls it (the top-k attention's, the beam
+# search's, a vocabulary-sized batch) against the hard top-k mask, and the GPU targets on the ratios (row, baseline
+# row) -> the largest ratio that meets the target.
+CALL_COST_SHAPES = {**SHAPES, "vocabulary": (256, 32000)}
+CALL_COST_TARGETS = {("unsorted unchecked", "hard top-k"): 2.0, ("unsorted", "hard top-k"): 3.0,
+                     ("sorted", "unsorted"): 2.0}
+CALL_COST_COLUMNS = ("shape", "hard top-k (forward)", "unsorted", "/ hard", "unsorted unchecked", "/ hard",
+                     "sorted", "/ unsorted")
+
+
+def bench_call_cost(args, results):
+    """The call-cost table (CALL_COST_SHAPES): hard mask, unsorted (with and without check_errors) and sorted
+    soft_topk, forward + backward, timed in turn (on a GPU with CUDA events around each call, the host's time
+    included whenever the GPU waits for it); on a GPU, each of CALL_COST_TARGETS met or not."""
+    device = args.device
+    timer = harness.cuda_event_seconds if device == "cuda" else harness.seconds
+    print(f"\nThe call's cost: {device}{' ' + torch.cuda.get_device_name() if device == 'cuda' else ''}, torch "
+          f"{torch.__version__}, float32, k={K}, soft_topk(scores, k, epsilon={EPS}), forward + backward (the hard "
+          f"top-k: forward), timed in turn, {args.call_cost_rounds} rounds, medians")
+    print(harness.table_header(CALL_COST_COLUMNS))
+    targets = []
+    for name in args.call_cost_shapes:
+        rows_, n = CALL_COST_SHAPES[name]
+        shape = f"{name} {rows_}x{n}"
+        gen = torch.Generator().manual_seed(0)
+        x = operator_scores(name, rows_, n, gen).to(device)
+        w = torch.randn(rows_, n, K, generator=gen).to(device)
+        timed = harness.compare(("hard top-k", lambda: hard_topk_mask(x)), {
+            "unsorted": forward_backward(readme_call(False), x, w),
+            "unsorted unchecked": forward_backward(lambda z: soft_topk(z, K, epsilon=EPS, check_errors=False), x, w),
+            "sorted": forward_backward(readme_call(True), x, w)}, args.call_cost_rounds, device=device, timer=timer)
+        t = {row: timed.seconds(row) for row in timed.times}
+        for row in t:
+            base = next((b for (r, b) in CALL_COST_TARGETS if r == row), None)
+            results.add(row, t[row], shape=shape, table="call_cost", baseline=base,
+                        baseline_seconds=t[base] if base else None, **({"pass": "forward"} if base is None else {}))
+        print(harness.table_row([shape, *(f"{t[row] * 1e3:.3f} ms" + (f" | {t[row] / t[base]:.2f}x" if base else "")
+                                          for row, base in (("hard top-k", None), ("unsorted", "hard top-k"),
+                                                            ("unsorted unchecked", "hard top-k"),
+                                                            ("sorted", "unsorted")))]), flush=True)
+        for (row, base), bound in CALL_COST_TARGETS.items():
+            got = t[row] / t[base]
+            verdict = ("met" if got <= bound else "NOT met") if device == "cuda" else "a GPU target, not checked on CPU"
+            targets.append(f"target: {row} <= {bound:g}x {base} at {shape}: {verdict} ({got:.2f}x)")
+    for line in targets:
+        print(f"- {line}")
+
+
 AGAINST_N = (32, 100, 316, 1000, 3162, 10000)
 AGAINST_N_ROWS = 64
 
@@ -303,10 +378,16 @@ def main():
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-unrolled", action="store_true", help="skip autograd through unrolled Sinkhorn")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda: only the GPU table (Triton kernels against our PyTorch path and the paper's)")
-    parser.add_argument("--tables", nargs="+", default=["floor", "authors"], choices=["floor", "authors", "against_n"],
+                        help="cuda: the GPU table (Triton kernels against our PyTorch path and the paper's), or "
+                             "--tables call_cost")
+    parser.add_argument("--tables", nargs="+", default=["floor", "authors"],
+                        choices=["floor", "authors", "against_n", "call_cost"],
                         help="CPU tables: floor (against the hard top-k and the peers), authors (against the "
-                             "authors' code, the paper scaling), against_n (time against n)")
+                             "authors' code, the paper scaling), against_n (time against n); call_cost (CPU or "
+                             "GPU: the call against the hard top-k mask at training sizes, with the GPU targets)")
+    parser.add_argument("--call-cost-rounds", type=int, default=30, help="rounds of the call_cost table")
+    parser.add_argument("--call-cost-shapes", nargs="+", default=list(CALL_COST_SHAPES),
+                        choices=list(CALL_COST_SHAPES), help="call_cost: the shapes")
     parser.add_argument("--floor-rounds", type=int, default=21, help="rounds of the floor and against_n tables")
     parser.add_argument("--floor-k", type=int, nargs="*", default=[1, 5, 16, 64],
                         help="k of the unsorted operator against the hard top-k (floor table)")
@@ -319,9 +400,13 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     results = harness.Results("bench_soft_topk", args.json, device=args.device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_soft_topk: --device cuda but torch sees no CUDA device")
+    if "call_cost" in args.tables:
+        bench_call_cost(args, results)
+        if args.tables == ["call_cost"]:
+            return
     if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench_soft_topk: --device cuda but torch sees no CUDA device")
         bench_gpu(args, results)
         return
     if "floor" in args.tables:

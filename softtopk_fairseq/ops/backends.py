@@ -300,6 +300,9 @@ class FusedBackend(Backend):
         """Whether :meth:`thin_backward` reads the scores."""
         return True
 
+    # Whether a forward's status is on the host already (no synchronisation to read it).
+    status_on_host = False
+
     def status_bits(self, status) -> int:
         """A forward's status as one int of ``kernel_interface.STATUS_BITS`` (on a device: one value read)."""
         return int(status)
@@ -311,6 +314,7 @@ class CpuBackend(FusedBackend):
 
     name = "cpu"
     kernels = cpu_kernels
+    status_on_host = True
 
     def usable(self):
         try:

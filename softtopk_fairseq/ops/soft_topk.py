@@ -195,12 +195,20 @@ class _Fused(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None
 
 
+class _RefusedUnchecked(Exception):
+    """A thin call without ``check_errors`` whose backend reports refused scores for the whole call (the C kernels:
+    one status, read for free): the general path answers it, with NaN on the refused rows alone."""
+
+
 def _fused_forward(impl, x, k, sorted, epsilon, paper, tol, max_iter, check_errors):
-    """``impl.thin_forward`` and its status read as bits (with ``check_errors`` only: on a device, the one value
-    read back); refused scores raise."""
+    """``impl.thin_forward`` and its status read as bits (with ``check_errors``, or where reading it costs nothing:
+    on a device, the one value read back); refused scores raise (:class:`_RefusedUnchecked` without
+    ``check_errors``)."""
     out, status, info, eps, at, slope = impl.thin_forward(x, k, sorted, epsilon, paper, tol, max_iter)
-    bits = impl.status_bits(status) if check_errors else 0
+    bits = impl.status_bits(status) if check_errors or impl.status_on_host else 0
     if bits & REFUSED:
+        if not check_errors:
+            raise _RefusedUnchecked()
         backends.raise_for_status_bits(bits)
     return out, bits, info, eps, at, slope
 
@@ -218,19 +226,19 @@ def _fused(impl: backends.FusedBackend, x: Tensor, k: int, sorted: bool, epsilon
     return out, bits, info, eps
 
 
-def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors) -> Optional[backends.FusedBackend]:
+def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend) -> Optional[backends.FusedBackend]:
     """The fused backend that runs a call to :func:`soft_topk` -- unmasked, ``largest``, by Newton, at the default
     tolerance and without info -- as it is (:func:`_fused`), or None: valid arguments (anything else takes the
     general path, which checks them and says what is wrong), float32 contiguous scores selected along their last
     dimension, not under torch.compile, and a backend with a thin path for them (``backends.thin_route``; on CPU
-    with ``check_errors`` and the paper scaling only unsorted)."""
+    with the paper scaling only unsorted)."""
     if not (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.dim() > 0
             and (dim == -1 or dim == scores.dim() - 1) and type(k) is int and 0 < k <= scores.shape[-1]
             and type(epsilon) in (float, int) and _FLOAT32.tiny <= epsilon <= _FLOAT32.max and scaling in ("none", "paper")
             and scores.is_contiguous() and scores.numel() > 0 and not torch.compiler.is_compiling()):
         return None
     impl = backends.thin_route(scores, backends.resolve(backend))
-    if impl is backends.CPU and not (check_errors and (scaling == "none" or not sorted)):
+    if impl is backends.CPU and sorted and scaling == "paper":
         return None
     return impl
 
@@ -434,16 +442,18 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
-    impl = (_thin_route(scores, k, dim, epsilon, sorted, scaling, backend, check_errors)
+    impl = (_thin_route(scores, k, dim, epsilon, sorted, scaling, backend)
             if mask is None and largest and not return_info and method == "newton" and tol is None
             and max_iter is None and backend in backends.NAMES else None)
     if impl is not None:  # the most common calls, as thin as the hard top-k's: one launch each way
         try:
             out, bits, info, _ = _fused(impl, scores, k, bool(sorted), float(epsilon), scaling == "paper",
                                         defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"], check_errors)
-            if bits & CAPPED:
+            if check_errors and bits & CAPPED:
                 _warn_if_capped(info, defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
             return out
+        except _RefusedUnchecked:  # NaN rows for the refused ones, the others solved: the general path's work
+            pass
         except backends.KernelError as e:  # a Triton launch failed: under "auto", the general path falls back
             if backends.resolve(backend) != "auto":
                 raise
