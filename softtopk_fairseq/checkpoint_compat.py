@@ -8,6 +8,7 @@ arrays: with ``--eval-bleu`` the saved meters keep sacrebleu's n-gram counts as 
 checkpoint, so allow-listing these classes on plugin import fixes all of them.
 """
 import argparse
+import importlib
 from typing import List
 
 import torch
@@ -20,7 +21,10 @@ def _numpy_array_globals() -> List[object]:
         import numpy as np
     except ImportError:  # pragma: no cover - fairseq requires numpy
         return []
-    multiarray = (getattr(np, "_core", None) or np.core).multiarray
+    # numpy 2 pickles arrays through numpy._core, numpy 1 through numpy.core (numpy 1.26's numpy._core is a stub
+    # without multiarray; numpy 2's numpy.core warns on use)
+    multiarray = importlib.import_module("numpy._core.multiarray" if int(np.__version__.split(".")[0]) >= 2
+                                         else "numpy.core.multiarray")
     dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
                                           np.float16, np.float32, np.float64)]
     return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
