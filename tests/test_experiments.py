@@ -5,6 +5,7 @@ import argparse
 import builtins
 import gzip
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -274,6 +275,88 @@ def test_converged_study_picks_the_sweeps_best_on_val_once_the_sweep_is_complete
     assert converged.sweep_choice(rows, 1) is None
     assert converged.sweep_choice({**rows, "finetune.soft_beam_paper.seed2": {"bleu": {"valid": 41.5}}}, 2) \
         == "soft_beam_paper"
+
+
+def tune_study(tmp_path, converged, **kwargs):
+    """A converged Study whose training is faked: ``trained`` lists (key, extra, fields) and each run is recorded
+    with the val BLEU ``val(key)`` gives; every seed's pre-training is in place as ``pretrain.rnnsearch.seedN``."""
+    from ledger import append_row, rows_by_key
+
+    ledger = tmp_path / "ledger.jsonl"
+    args = argparse.Namespace(**{**dict(
+        ledger=str(ledger), workdir=str(tmp_path / "work"), prepared=None, sweep_seed=None, seeds=[1, 2],
+        data=fake_raw_data(tmp_path / "raw"), blind=None, retrain_missing=False, tune_lrs=[1e-3, 5e-4],
+        tune_runs=list(converged.TUNE_RUNS), tune_patience=5, tune_max_epoch=30, tune_candidates=50, lr_patience=1,
+        patience=5, max_epoch=60), **kwargs})
+    study = converged.Study(args)
+    trained, val = [], {}
+
+    def train(key, stage, arch, method, seed, extra, save_as=None, fields=None):
+        if key in rows_by_key(str(ledger)):  # (as Study.train: a recorded run is skipped)
+            return
+        trained.append((key, extra, fields))
+        append_row(str(ledger), {"key": key, "stage": stage, "method": method, "seed": seed, **fields,
+                                 "bleu": {"valid": val.get(key, 50.0), "test": 0.0}})
+
+    for seed in args.seeds:
+        key = f"pretrain.rnnsearch.seed{seed}"
+        save = tmp_path / "work" / "checkpoints" / key
+        save.mkdir(parents=True)
+        (save / "checkpoint_best.pt").write_bytes(b"")
+        (save / converged.RECORDED_AS).write_text(key + "\n")
+        append_row(str(ledger), {"key": key, "stage": "pretrain", "seed": seed, "bleu": {"valid": 1.0, "test": 1.0}})
+    study.train = train
+    return study, trained, val
+
+
+def test_converged_study_tunes_every_arm_at_the_rate_the_control_chose_on_one_seed(tmp_path, capsys):
+    """Stage ``tune``: on the sweep seed the control runs at every candidate rate first; the rate of its best val
+    BLEU (the earlier on a tie) is every arm's, on every seed; a seed before the choice is skipped; each run restarts
+    from its seed's recorded pre-training under the convergence rule with its own patience and cap, the soft ones
+    with 50 candidates, and its row names its start and rate."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    study, trained, val = tune_study(tmp_path, converged, sweep_seed=1)
+    study.tune(2)  # the rate is not chosen yet: nothing trained
+    assert trained == [] and "not all in the ledger yet" in capsys.readouterr().out
+    val.update({"tune.tf.lr0.001.seed1": 50.5, "tune.tf.lr0.0005.seed1": 50.9})
+    study.tune(1)
+    assert [key for key, _, _ in trained] == ["tune.tf.lr0.001.seed1", "tune.tf.lr0.0005.seed1",
+                                              "tune.soft_beam_paper.lr0.0005.seed1",
+                                              "tune.soft_beam_rho05.lr0.0005.seed1"]
+    study.tune(2)
+    assert [key for key, _, _ in trained[4:]] == [f"tune.{name}.lr0.0005.seed2" for name in converged.TUNE_RUNS]
+    start = str(tmp_path / "work" / "checkpoints" / "pretrain.rnnsearch.seed2" / "checkpoint_best.pt")
+    for key, extra, fields in trained[4:]:
+        assert fields == {"start": "pretrain.rnnsearch.seed2", "lr": 5e-4}
+        flag = lambda name: extra[len(extra) - 1 - extra[::-1].index(name) + 1]  # noqa: E731 (the last value wins)
+        assert flag("--finetune-from-model") == start and flag("--lr") == "0.0005"
+        assert flag("--lr-scheduler") == "reduce_lr_on_plateau_resumable" and flag("--patience") == "5"
+        assert flag("--max-epoch") == "30" and "--validate-interval-updates" not in extra
+        assert flag("--soft-beam-candidates") == ("0" if ".tf." in key else "50")
+        assert flag("--teacher-forcing-ratio") == {"tf": "1.0", "soft_beam_paper": "0.8",
+                                                   "soft_beam_rho05": "0.5"}[key.split(".")[1]]
+    rows = {key: {"bleu": {"valid": 51.0}} for key in ("tune.tf.lr0.001.seed1", "tune.tf.lr0.0005.seed1")}
+    assert converged.tune_lr_choice(rows, [1e-3, 5e-4], 1) == 1e-3  # a tie: the earlier rate
+    assert converged.tune_lr_choice(rows, [1e-3, 5e-4, 2e-3], 1) is None  # not every rate run yet
+
+
+def test_converged_study_uses_a_checkpoint_folder_only_for_the_recorded_run_it_holds(tmp_path, capsys):
+    """A pre-training's folder counts only when its ``ledger_key`` names a recorded run; else (gone, or a
+    retraining interrupted before it was recorded) ``--retrain-missing`` trains -- or continues -- the next rerun
+    key, ``.rerun`` then ``.rerun2``, and without the flag nothing is trained."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    study, trained, _ = tune_study(tmp_path, converged)
+    save = tmp_path / "work" / "checkpoints" / "pretrain.rnnsearch.seed1"
+    assert study.pretrained(1) == str(save / "checkpoint_best.pt")
+    from ledger import append_row
+
+    append_row(study.ledger, {"key": "pretrain.rnnsearch.seed1.rerun", "stage": "rerun", "seed": 1})
+    (save / converged.RECORDED_AS).unlink()  # a retraining in flight: checkpoints, no record
+    assert study.pretrained(1) is None and "--retrain-missing" in capsys.readouterr().out and trained == []
+    study.args.retrain_missing = True
+    study.pretrain = lambda seed, key=None: (trained.append(key), (save / converged.RECORDED_AS).write_text(key))
+    assert study.pretrained(1) == str(save / "checkpoint_best.pt") and trained == ["pretrain.rnnsearch.seed1.rerun2"]
+    assert list(itertools.islice(converged.rerun_keys("k"), 3)) == ["k.rerun", "k.rerun2", "k.rerun3"]
 
 
 def test_converged_study_fingerprints_the_prepared_data_not_where_it_was_prepared(tmp_path, capsys):

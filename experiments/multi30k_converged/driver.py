@@ -47,6 +47,14 @@ already in the ledger is skipped, and an interrupted one continues from its own 
 * ``sweep`` -- (before ``finetune``) the fine-tunings of ``SWEEP`` on one seed (``--sweep-seed``): the paper's
   setting, distinct beams (``--soft-beam-bookkeeping topk``), and distinct beams with the temperature in nats; the
   one with the highest val BLEU is ``soft_beam_best``, which ``finetune`` then runs on every seed.
+* ``tune`` -- fine-tunings *to convergence* from each seed's converged checkpoint (``--tune-runs``: continued teacher
+  forcing, the control; soft beam search in the paper's setting, rho 0.8; the same at rho 0.5), each a restart of
+  Adam at a rate of the pre-training's order under the pre-training's plateau schedule and early stopping
+  (``--tune-patience`` epochs without a val BLEU gain, validated every epoch, at most ``--tune-max-epoch``), the
+  soft ones with ``--tune-candidates`` candidates per sentence. The rate is chosen on the control alone: on the sweep
+  seed, the control runs at every ``--tune-lrs`` rate, and the one with the highest val BLEU is every run's
+  (``tune_lr_choice``); keys ``tune.NAME.lrLR.seedN``, each row with its ``start`` (the ledger key of the
+  checkpoint it started from) and ``lr``.
 * ``pruning`` -- on the first seed's converged checkpoint, M = 50 / 200 / exact compared on the same batches
   (``experiments/soft_beam_analysis/pruning.py``: L_SOFT, gradient cosine to the exact gradient, duplicate beams),
   one ledger entry.
@@ -66,7 +74,8 @@ exact extra arguments, the pair and the prepared data's fingerprint.
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
 has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
-place and records that run too, as ``KEY.rerun``, which ``report`` sets beside the original (a rerun need not
+place and records that run too, as ``KEY.rerun`` (then ``KEY.rerun2``, ... : a checkpoint folder is used only when
+the file ``ledger_key`` in it names a recorded run, written as the run is recorded), which ``report`` sets beside the original (a rerun need not
 reproduce it: seed 1's matched the original's recorded epochs before its restart to the digit and none after
 it, as fairseq's restart built other batches -- see ``pretrain``); without the flag those
 fine-tunings are skipped with a message saying so.
@@ -145,15 +154,22 @@ FINETUNE_RUNS = {
                                "--soft-beam-epsilon", "1.0"],
     # the noise's sigma: --soft-beam-epsilon, 0.1 in PAPER
     "perturbed": PAPER + ["--soft-beam-relaxation", "perturbed"],
+    # the paper's setting with as much weight on the soft beam search's loss as on teacher forcing (argparse: the
+    # later --teacher-forcing-ratio wins)
+    "soft_beam_rho05": PAPER + ["--teacher-forcing-ratio", "0.5"],
 }
 # The soft beam-search settings swept on one seed (--sweep-seed); ``soft_beam_best`` in --runs is the one of them
 # with the highest val BLEU there (the earlier in this order on a tie), chosen on val only.
 SWEEP = ["soft_beam_paper", "soft_beam_topk_bookkeeping", "soft_beam_nats"]
 BEST = "soft_beam_best"
 DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times", BEST]
+# The fine-tuning to convergence (stage ``tune``): the control and soft beam search at rho 0.8 and 0.5, each
+# restarted at a learning rate of the pre-training's order under its plateau schedule until val BLEU stops improving.
+TUNE_RUNS = ["tf", "soft_beam_paper", "soft_beam_rho05"]
+TUNE_CONTROL = "tf"
 # The pruning comparison's setting whose temperature each soft fine-tuning run shares (--candidates auto).
 PRUNING_SETTING = {"soft_beam_paper": "paper", "softmax_k_times": "paper", "soft_beam_topk_bookkeeping": "paper",
-                   "perturbed": "paper", "soft_beam_nats": "topk_nats"}
+                   "perturbed": "paper", "soft_beam_nats": "topk_nats", "soft_beam_rho05": "paper"}
 # --candidates auto: the smallest M whose gradient is this close (cosine) to the exact one's in the pruning
 # comparison; the exact problem (M = 0) when none is.
 GRAD_COSINE_MIN = 0.99
@@ -178,6 +194,49 @@ def sweep_choice(rows: Dict[str, dict], seed: int) -> Optional[str]:
     if len(val) < len(SWEEP):
         return None
     return max(SWEEP, key=lambda name: (val[name], -SWEEP.index(name)))
+
+
+def tune_key(name: str, lr: float, seed: int) -> str:
+    """The ledger key of a fine-tuning to convergence (stage ``tune``) of ``name`` at learning rate ``lr``."""
+    return f"tune.{name}.lr{lr:g}.seed{seed}"
+
+
+def tune_lr_choice(rows: Dict[str, dict], lrs: List[float], seed: int) -> Optional[float]:
+    """The learning rate of the fine-tunings to convergence: among ``lrs``, the one at which the control
+    (continued teacher forcing) of ``seed`` reached the highest val BLEU (the earlier in ``lrs`` on a tie) -- chosen
+    on the control alone, so that no soft beam-search result takes part in it; None until the control has run at
+    every rate."""
+    val = {lr: rows[tune_key(TUNE_CONTROL, lr, seed)]["bleu"]["valid"] for lr in lrs
+           if tune_key(TUNE_CONTROL, lr, seed) in rows}
+    if len(val) < len(lrs):
+        return None
+    return max(lrs, key=lambda lr: (val[lr], -lrs.index(lr)))
+
+
+RERUN = re.compile(r"\.rerun\d*$")  # the suffix of a rerun's key (rerun_keys)
+
+
+def rerun_keys(key: str):
+    """The ledger keys of a run trained again into its own folder (``--retrain-missing``), in order: ``KEY.rerun``,
+    ``KEY.rerun2``, ``KEY.rerun3``, ..."""
+    n = 1
+    while True:
+        yield f"{key}.rerun" + (str(n) if n > 1 else "")
+        n += 1
+
+
+# Written into a run's checkpoint folder once the run is recorded: the ledger key whose run the checkpoints are
+# (a folder's checkpoints may be a rerun's, or a run in flight that the ledger does not have yet).
+RECORDED_AS = "ledger_key"
+
+
+def recorded_as(save: str) -> Optional[str]:
+    """The ledger key of the finished run whose checkpoints ``save`` holds; None for a run not recorded."""
+    path = os.path.join(save, RECORDED_AS)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
 
 
 def file_sha256(path: str) -> str:
@@ -435,20 +494,22 @@ class Study:
     def record(self, row: dict) -> None:
         append_row(self.ledger, {**row, "pair": f"{SRC}-{self.tgt}", "data_fingerprint": self.data_fingerprint})
 
-    def converge_args(self, patience: Optional[int] = None) -> List[str]:
-        """The convergence rule; ``patience``: early stopping's, when an arm's differs from ``--patience``."""
+    def converge_args(self, patience: Optional[int] = None, max_epoch: Optional[int] = None) -> List[str]:
+        """The convergence rule; ``patience``, ``max_epoch``: a run's own, when they differ from ``--patience``
+        and ``--max-epoch``."""
         a = self.args
         # Exactly resumable: the plateau's and --patience's counts survive a restart (reduce_lr_on_plateau_resumable),
         # and each epoch's batches are built from seed + epoch whether or not the run restarted (fairseq otherwise
         # reuses epoch 1's in an uninterrupted run and builds new ones at the restart's epoch).
         return ["--update-epoch-batch-itr", "True",
                 *EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5",
-                "--lr-patience", str(a.lr_patience), "--patience", str(patience or a.patience), "--max-epoch", str(a.max_epoch)]
+                "--lr-patience", str(a.lr_patience), "--patience", str(patience or a.patience), "--max-epoch", str(max_epoch or a.max_epoch)]
 
     def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str],
-              save_as: Optional[str] = None) -> Optional[dict]:
+              save_as: Optional[str] = None, fields: Optional[dict] = None) -> Optional[dict]:
         """One fairseq-train run and its scores, recorded; skipped when the ledger has it. ``save_as``: the
-        checkpoint directory's name when it is not ``key`` (a rerun trains into its original's)."""
+        checkpoint directory's name when it is not ``key`` (a rerun trains into its original's); ``fields``: more
+        of the ledger row."""
         done = rows_by_key(self.ledger)
         if key in done:
             print(f"{key}: in the ledger, skipped", flush=True)
@@ -482,7 +543,9 @@ class Study:
         row = {"key": key, "stage": stage, "arch": arch, "method": method, "seed": seed,
                "updates": curve[-1]["updates"] if curve else None, "epochs": curve[-1]["epoch"] if curve else None,
                "best_updates": best and best["updates"], "scored_updates": scored, "unsaved_validations": unsaved,
-               "converged": logs[-1].stopped_early if stage != "finetune" else None,
+               "converged": logs[-1].stopped_early if stage != "finetune" else None, **(fields or {}),
+               # the CPU threads it trained with (torch's reductions split by it: the last bits depend on it)
+               "threads": int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()),
                # wall seconds of this start only; "resumed": an interrupted earlier start also trained (its log
                # is kept beside this one's); "train_s_starts": every start's first-to-last log line, pauses included
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
@@ -492,6 +555,8 @@ class Study:
         keep_hypotheses(self.ledger, key, save, self.tgt)
         self.keep_blind(key, os.path.join(save, "checkpoint_best.pt"), save)
         self.record(row)
+        with open(os.path.join(save, RECORDED_AS), "w", encoding="utf-8") as f:
+            f.write(key + "\n")
         return row
 
     def pruning(self, seed: int) -> None:
@@ -585,21 +650,53 @@ class Study:
                    + ["--criterion", "label_smoothed_cross_entropy"], save_as=own)
 
     def pretrained(self, seed: int) -> Optional[str]:
-        """The converged checkpoint of ``seed``; trained again when the ledger has it but the workdir does not
-        and ``--retrain-missing`` is given; None (said why) when there is none."""
+        """The converged checkpoint of ``seed``: the workdir's when it is a recorded pre-training or rerun of that
+        seed (:data:`RECORDED_AS`); else, with ``--retrain-missing``, trained again (or an interrupted retraining
+        continued) as the next of :func:`rerun_keys`; None (said why) when there is none."""
         key = f"pretrain.rnnsearch.seed{seed}"
-        path = os.path.join(self.args.workdir, "checkpoints", key, "checkpoint_best.pt")
-        if os.path.exists(path):
+        save = os.path.join(self.args.workdir, "checkpoints", key)
+        path = os.path.join(save, "checkpoint_best.pt")
+        rows = rows_by_key(self.ledger)
+        if os.path.exists(path) and recorded_as(save) in rows:
             return path
-        if key not in rows_by_key(self.ledger):
+        if key not in rows:
             print(f"seed {seed}: no converged pre-training yet (run --stages pretrain), skipped", flush=True)
             return None
+        rerun = next(k for k in rerun_keys(key) if k not in rows)
         if not self.args.retrain_missing:
-            print(f"seed {seed}: {key} is in the ledger but {path} is gone (another workdir?); pass "
-                  f"--retrain-missing to train it again (recorded as {key}.rerun), skipped", flush=True)
+            print(f"seed {seed}: {key} is in the ledger but {path} is gone or not a recorded run's (another "
+                  f"workdir?); pass --retrain-missing to train it again (recorded as {rerun}), skipped", flush=True)
             return None
-        self.pretrain(seed, key=f"{key}.rerun")
-        return path if os.path.exists(path) else None
+        self.pretrain(seed, key=rerun)
+        return path if recorded_as(save) == rerun else None
+
+    def tune(self, seed: int) -> None:
+        """The fine-tunings to convergence (``--tune-runs``) from the converged checkpoint of ``seed``, those not in
+        the ledger yet, at the learning rate :func:`tune_lr_choice` picks: the control at every ``--tune-lrs`` rate
+        first, on the sweep seed only. Each restarts Adam at its rate under the pre-training's plateau schedule
+        (x0.5 after ``--lr-patience`` epochs without a val BLEU gain), validated every epoch, until
+        ``--tune-patience`` epochs without a gain (at most ``--tune-max-epoch``); scored at its best validation."""
+        a = self.args
+        start = self.pretrained(seed)
+        if start is None:
+            return
+        start_key = recorded_as(os.path.dirname(start))
+        lrs = a.tune_lrs if seed == self.sweep_seed else []
+        planned = [(TUNE_CONTROL, lr) for lr in lrs]
+        chosen = tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, self.sweep_seed)
+        if chosen is None and seed != self.sweep_seed:
+            print(f"tune (seed {seed}): the learning rate is chosen on seed {self.sweep_seed}'s control at every "
+                  f"--tune-lrs rate, not all in the ledger yet; skipped", flush=True)
+        for name, lr in planned + [(name, None) for name in a.tune_runs]:
+            lr = lr if lr is not None else tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, self.sweep_seed)
+            if lr is None:
+                continue
+            m = a.tune_candidates if name in PRUNING_SETTING else 0
+            extra = RNNSEARCH + ["--finetune-from-model", start, "--criterion", "soft_beam_search",
+                                 "--soft-beam-candidates", str(m), *FINETUNE_RUNS[name], "--lr", str(lr),
+                                 *self.converge_args(a.tune_patience, a.tune_max_epoch)]
+            self.train(tune_key(name, lr, seed), "tune", "rnnsearch", name, seed, extra,
+                       fields={"start": start_key, "lr": lr})
 
     def blind_for_ledger(self) -> None:
         """``blind``: the blind sets translated by every ledger run whose ``checkpoint_best.pt`` is in the workdir and
@@ -610,12 +707,12 @@ class Study:
         for key, row in rows.items():
             if row["stage"] == "pruning":
                 continue
-            save = os.path.join(self.args.workdir, "checkpoints", key.removesuffix(".rerun"))
+            save = os.path.join(self.args.workdir, "checkpoints", RERUN.sub("", key))
             wanted = [os.path.join(blind_dir(self.ledger), f"{key}.{name}.{self.tgt}.gz") for name in self.blind]
             if all(os.path.exists(path) for path in wanted):
                 continue
-            # (a rerun trains into its original's folder: the checkpoint there is the rerun's)
-            if f"{key}.rerun" in rows or not os.path.exists(os.path.join(save, "checkpoint_best.pt")):
+            # (a rerun trains into its original's folder: the checkpoint there is the last recorded one's)
+            if recorded_as(save) != key or not os.path.exists(os.path.join(save, "checkpoint_best.pt")):
                 missing.append(key)
                 continue
             print(f"{key}: translating the blind sets", flush=True)
@@ -640,6 +737,9 @@ class Study:
         if "finetune" in a.stages:
             for seed in a.seeds:
                 self.finetune(seed, [n for n in map(self.run_name, a.runs) if n is not None])
+        if "tune" in a.stages:
+            for seed in a.seeds:
+                self.tune(seed)
         if "attention" in a.stages:
             for seed in a.seeds:
                 for mode in a.attention_modes:
@@ -683,7 +783,7 @@ def main(argv=None) -> None:
     p.add_argument("--prepared", help="prepared data of another workdir (its data/), instead of preparing anew")
     p.add_argument("--bpe-size", type=int, default=8000)
     p.add_argument("--stages", nargs="+", default=["pretrain", "pruning", "sweep", "finetune", "attention"],
-                   choices=["pretrain", "pruning", "sweep", "finetune", "attention"],
+                   choices=["pretrain", "pruning", "sweep", "finetune", "tune", "attention"],
                    help="(run in this order whatever order they are given in)")
     p.add_argument("--sweep-seed", type=int, help=f"the seed the sweep ({', '.join(SWEEP)}) fine-tunes, whose val "
                                                   f"BLEU picks {BEST} (default: the first of --seeds)")
@@ -701,12 +801,20 @@ def main(argv=None) -> None:
     p.add_argument("--finetune-lr", type=float, default=1e-4)
     p.add_argument("--finetune-epochs", type=int, default=2)
     p.add_argument("--finetune-validate-updates", type=int, default=50)
+    p.add_argument("--tune-runs", nargs="+", default=TUNE_RUNS, choices=list(FINETUNE_RUNS),
+                   help="tune: the fine-tunings to convergence")
+    p.add_argument("--tune-lrs", type=float, nargs="+", default=[1e-3, 5e-4],
+                   help="tune: the candidate restart rates; the control's best val BLEU on the sweep seed picks one")
+    p.add_argument("--tune-patience", type=int, default=5, help="tune: early stopping, epochs without a val BLEU gain")
+    p.add_argument("--tune-max-epoch", type=int, default=30, help="tune: cap; a run that reaches it is not converged")
+    p.add_argument("--tune-candidates", type=int, default=50,
+                   help="tune: --soft-beam-candidates of the soft fine-tunings (0: the exact search)")
     p.add_argument("--attention-modes", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     p.add_argument("--extra-args", default="", help="fairseq-train arguments appended to every run, last (e.g. "
                                                     "smaller sizes for a smoke test); recorded in the ledger")
     p.add_argument("--retrain-missing", action="store_true",
                    help="train again a pre-training that the ledger has but the workdir lacks (fine-tuning and pruning "
-                        "start from its checkpoint); recorded as KEY.rerun")
+                        "start from its checkpoint); recorded as KEY.rerun (KEY.rerun2, ... after the first)")
     p.add_argument("--verbose", action="store_true", help="stream fairseq's logs to the terminal")
     p.add_argument("--pair", nargs=2, action="append", metavar=("LEDGER", "DATA"),
                    help="report: a ledger and the raw data its runs were trained on (the references); once per pair")

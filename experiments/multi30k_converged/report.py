@@ -85,13 +85,16 @@ def load_pair(ledger: str, data: str, tgt: str, valid_name: str = "val", test_na
 # ------------------------------------------------------------------------------------------- the arms ----
 
 def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
-    """seed -> ledger key of an arm. ``start`` (fine-tuning): the pre-training each seed's fine-tunings started
-    from -- the rerun where the ledger has one (``--retrain-missing`` trained it again into the original's
-    folder), else the original."""
+    """seed -> ledger key of an arm. ``start``: the pre-training each seed's fine-tunings started from -- of stage
+    ``tune``, the one its rows name; of stage ``finetune``, the first rerun where the ledger has one
+    (``--retrain-missing`` trained it again into the original's folder; every such fine-tuning ran before a second
+    rerun), else the original."""
     keys = {}
+    if stage == "tune" and arm == "start":
+        return dict(sorted({row["seed"]: row["start"] for row in pair.rows.values() if row["stage"] == "tune"}.items()))
     if stage == "finetune" and arm == "start":
         for key, row in pair.rows.items():
-            if row["stage"] in ("pretrain", "rerun"):
+            if row["stage"] in ("pretrain", "rerun") and not re.search(r"\.rerun\d+$", key):
                 seed = row["seed"]
                 if row["stage"] == "rerun" or seed not in keys:
                     keys[seed] = key
@@ -351,7 +354,7 @@ def rerun_table(pairs: List[Pair]) -> List[str]:
     lines, notes = [], []
     for pair in pairs:
         for key, row in pair.rows.items():
-            original = pair.rows.get(key.removesuffix(".rerun")) if row["stage"] == "rerun" else None
+            original = pair.rows.get(re.sub(r"\.rerun\d*$", "", key)) if row["stage"] == "rerun" else None
             if original is None:
                 continue
             if not lines:
