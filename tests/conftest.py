@@ -14,6 +14,9 @@ if not _has_cuda:
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# --outcomes PATH: each test's outcome written as it ends (outcomes.py; scripts/gpu_check.sh uses it)
+pytest_plugins = ["outcomes"]
+
 
 @pytest.fixture(autouse=True)
 def _global_state_restored():

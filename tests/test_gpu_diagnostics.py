@@ -2,6 +2,7 @@
 table at tiny sizes, the checks the phases diagnostic measures are made through a registered relaxation, the
 host operations are counted, and the fairseq check's arguments, log reading and exit handling hold (its full CPU
 run is marked slow)."""
+import json
 import os
 import re
 import subprocess
@@ -218,12 +219,54 @@ def test_gpu_train_check_runs_on_cpu_in_full_precision(tmp_path):
     assert all("(200 hyps)" in r[8] for r in rows[1:])  # every test sentence decoded
 
 
-def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
+@pytest.mark.parametrize("quick", [False, True])
+def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path, quick):
     if __import__("torch").cuda.is_available():
         pytest.skip("a CUDA device is present: gpu_check.sh would run everything")
-    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, SOFTTOPK_PYTHON=sys.executable))
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), *(["--quick"] if quick else []),
+                          str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, SOFTTOPK_PYTHON=sys.executable))
     assert out.returncode == 0 and "no CUDA device" in out.stdout, out.stdout + out.stderr
+
+
+OUTCOME_TESTS = """
+import time, pytest
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 + 1 == 3, "arithmetic"
+
+def test_skips():
+    pytest.skip("not here")
+
+def test_outlives_the_budget():
+    time.sleep(600)
+"""
+
+
+def test_quick_gpu_check_stops_a_section_at_its_budget_and_keeps_each_tests_outcome(tmp_path):
+    """``gpu_check.sh --quick``'s machinery, on CPU (GPU_CHECK_ON_CPU): the tests section is stopped at its budget
+    by a test that outlives it, and what ended before is in OUTDIR/tests.jsonl (each test as it ended: outcome, the
+    failure's message) and in the summary's tally, which names the failed test."""
+    tests = tmp_path / "test_outcomes_demo.py"
+    tests.write_text(OUTCOME_TESTS)
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), "--quick", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=dict(os.environ, SOFTTOPK_PYTHON=sys.executable, GPU_CHECK_ON_CPU="1",
+                                  GPU_CHECK_SECTIONS="tests", GPU_CHECK_TESTS=str(tests), GPU_CHECK_WORKERS="0",
+                                  GPU_CHECK_BUDGET_TESTS="30"))
+    assert run.returncode == 1, run.stdout + run.stderr  # the tests section did not finish
+    outcomes = {json.loads(line)["test"].split("::")[-1]: json.loads(line)
+                for line in (out / "tests.jsonl").read_text().splitlines()}
+    assert {name: o["outcome"] for name, o in outcomes.items()} == \
+        {"test_passes": "passed", "test_fails": "failed", "test_skips": "skipped"}, outcomes
+    assert "arithmetic" in outcomes["test_fails"]["message"] and "not here" in outcomes["test_skips"]["message"]
+    summary = (out / "summary.md").read_text()
+    assert "stopped at its 30 s budget" in summary and "tests ended: 3 (1 failed, 1 passed, 1 skipped)" in summary
+    assert re.search(r"- FAILED \S+::test_fails: .*arithmetic", summary), summary
 
 
 def test_gpu_check_runs_every_diagnostic_and_benchmark_by_its_path():
