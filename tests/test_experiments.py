@@ -358,6 +358,30 @@ def test_converged_study_uses_a_checkpoint_folder_only_for_the_recorded_run_it_h
     assert study.pretrained(1) == str(save / "checkpoint_best.pt") and trained == ["pretrain.rnnsearch.seed1.rerun2"]
     assert list(itertools.islice(converged.rerun_keys("k"), 3)) == ["k.rerun", "k.rerun2", "k.rerun3"]
 
+    # Another workdir: the newest recorded pre-training's copy kept beside the ledger is used, not trained again
+    append_row(study.ledger, {"key": "pretrain.rnnsearch.seed1.rerun2", "stage": "rerun", "seed": 1})
+    shutil.rmtree(tmp_path / "work")
+    kept = tmp_path / "ledger.starts" / "pretrain.rnnsearch.seed1.rerun2.pt"
+    kept.parent.mkdir()
+    kept.write_bytes(b"weights")
+    path = study.pretrained(1)
+    assert trained == ["pretrain.rnnsearch.seed1.rerun2"] and open(path, "rb").read() == b"weights"
+    assert converged.recorded_as(os.path.dirname(path)) == "pretrain.rnnsearch.seed1.rerun2"
+
+
+def test_converged_study_keeps_a_start_without_its_optimizer_state(tmp_path):
+    """keep_start: the fairseq checkpoint as it was, but for its optimizer state (which a fine-tuning resets)."""
+    import torch
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    state = {"cfg": {"model": "rnnsearch"}, "model": {"w": torch.arange(4.0)}, "extra_state": {"epoch": 3},
+             "last_optimizer_state": {"state": {0: {"exp_avg": torch.ones(4)}}}}
+    torch.save(state, tmp_path / "best.pt")
+    converged.keep_start(str(tmp_path / "best.pt"), str(tmp_path / "starts" / "k.pt"))
+    kept = torch.load(tmp_path / "starts" / "k.pt", weights_only=False)
+    assert kept["last_optimizer_state"] is None and torch.equal(kept["model"]["w"], state["model"]["w"])
+    assert kept["cfg"] == state["cfg"] and kept["extra_state"] == state["extra_state"]
+
 
 def test_converged_study_fingerprints_the_prepared_data_not_where_it_was_prepared(tmp_path, capsys):
     """The ledger's data fingerprint covers the dictionaries and binarised splits, names and contents, and not

@@ -72,7 +72,9 @@ lack them. Ledger record: key, stage, arch, method, seed, updates, epochs, conve
 BLEU, wall seconds (``train_s``: the start that finished; ``train_s_starts``: each start's, from its log), the
 exact extra arguments, the pair and the prepared data's fingerprint.
 
-Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir. When the ledger
+Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir, or from its copy
+kept beside the ledger (``LEDGER.starts/KEY.pt``, without the optimizer state that a fine-tuning resets: a third
+of the bytes), written with every pre-training's row, so that a new workdir fine-tunes without training again. When the ledger
 has a pre-training whose workdir is gone, ``--retrain-missing`` trains it again from scratch into the same
 place and records that run too, as ``KEY.rerun`` (then ``KEY.rerun2``, ... : a checkpoint folder is used only when
 the file ``ledger_key`` in it names a recorded run, written as the run is recorded), which ``report`` sets beside the original (a rerun need not
@@ -84,10 +86,12 @@ import argparse
 import datetime
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -302,6 +306,25 @@ def prepared_target(data: str) -> str:
 def hyps_dir(ledger: str) -> str:
     """Where the scored runs' hypotheses are kept: beside the ledger (LEDGER minus .jsonl, plus .hyps)."""
     return re.sub(r"\.jsonl$", "", ledger) + ".hyps"
+
+
+def starts_dir(ledger: str) -> str:
+    """Where the pre-trainings' checkpoints are kept for the fine-tunings that start from them, in any workdir:
+    beside the ledger (LEDGER minus .jsonl, plus .starts), ``KEY.pt``."""
+    return re.sub(r"\.jsonl$", "", ledger) + ".starts"
+
+
+def keep_start(checkpoint: str, path: str) -> None:
+    """A fairseq checkpoint without its optimizer state (two thirds of its bytes), at ``path``: all that a
+    fine-tuning started from it reads (``--finetune-from-model`` resets the optimizer, the schedule, the meters and
+    the data iterator)."""
+    import torch  # (only here: the rest of the driver runs without torch)
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)  # fairseq's own format
+    state["last_optimizer_state"] = None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def blind_dir(ledger: str) -> str:
@@ -554,6 +577,8 @@ class Study:
                "extra": extra + shlex.split(self.args.extra_args)}
         keep_hypotheses(self.ledger, key, save, self.tgt)
         self.keep_blind(key, os.path.join(save, "checkpoint_best.pt"), save)
+        if stage in ("pretrain", "rerun"):
+            keep_start(os.path.join(save, "checkpoint_best.pt"), os.path.join(starts_dir(self.ledger), f"{key}.pt"))
         self.record(row)
         with open(os.path.join(save, RECORDED_AS), "w", encoding="utf-8") as f:
             f.write(key + "\n")
@@ -651,7 +676,8 @@ class Study:
 
     def pretrained(self, seed: int) -> Optional[str]:
         """The converged checkpoint of ``seed``: the workdir's when it is a recorded pre-training or rerun of that
-        seed (:data:`RECORDED_AS`); else, with ``--retrain-missing``, trained again (or an interrupted retraining
+        seed (:data:`RECORDED_AS`); else the newest recorded one's kept beside the ledger (:func:`starts_dir`); else,
+        with ``--retrain-missing``, trained again (or an interrupted retraining
         continued) as the next of :func:`rerun_keys`; None (said why) when there is none."""
         key = f"pretrain.rnnsearch.seed{seed}"
         save = os.path.join(self.args.workdir, "checkpoints", key)
@@ -662,6 +688,16 @@ class Study:
         if key not in rows:
             print(f"seed {seed}: no converged pre-training yet (run --stages pretrain), skipped", flush=True)
             return None
+        newest = [k for k in [key, *itertools.takewhile(lambda k: k in rows, rerun_keys(key))]][-1]
+        kept = os.path.join(starts_dir(self.ledger), f"{newest}.pt")
+        if os.path.exists(kept):  # kept beside the ledger: a workdir of its own
+            restored = os.path.join(self.args.workdir, "checkpoints", f"{newest}.start")
+            if recorded_as(restored) != newest:
+                os.makedirs(restored, exist_ok=True)
+                shutil.copyfile(kept, os.path.join(restored, "checkpoint_best.pt"))
+                with open(os.path.join(restored, RECORDED_AS), "w", encoding="utf-8") as f:
+                    f.write(newest + "\n")
+            return os.path.join(restored, "checkpoint_best.pt")
         rerun = next(k for k in rerun_keys(key) if k not in rows)
         if not self.args.retrain_missing:
             print(f"seed {seed}: {key} is in the ledger but {path} is gone or not a recorded run's (another "
