@@ -48,13 +48,17 @@ def test_plugin_allows_the_numpy_meters_of_an_eval_bleu_checkpoint(tmp_path):
 # ------------------------------------------------------------------- checkpoints and flags of version 0.1 ----
 
 V0 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "v0_topk_attn")
+# The v0 model's outputs on another CPU: 40x the largest difference measured on one machine made to take other
+# CPUs' code paths (2.5e-7 of the largest output with the C kernels for x86-64 and MKL's and torch's AVX2 kernels;
+# equal bit for bit on the machine that ran it natively).
+V0_TOLERANCE = 1e-5
 
 
 def test_a_v0_checkpoint_loads_with_its_modes_renamed_and_computes_what_it_did(monkeypatch):
     """A transformer_topk_attn checkpoint written by version 0.1 (tests/fixtures/make_v0_checkpoint.py: saved
     arguments ``topk_attn_mode='soft'``, ``topk_attn_inference='hard'``) loads through fairseq's own loader: the
     modes come out under their names now (upgrade_args, with a warning), and the model's output in training and
-    in eval mode is what 0.1 computed, bit for bit."""
+    in eval mode is what 0.1 computed: within V0_TOLERANCE of its largest magnitude (other CPUs round otherwise)."""
     from fairseq import checkpoint_utils
 
     import softtopk_fairseq.fairseq_plugin  # noqa: F401
@@ -73,7 +77,9 @@ def test_a_v0_checkpoint_loads_with_its_modes_renamed_and_computes_what_it_did(m
         getattr(model, mode)()
         torch.manual_seed(0)
         with torch.no_grad():
-            assert torch.equal(model(src, lengths, prev)[0], expected["outputs"][mode]), mode
+            want = expected["outputs"][mode]
+            torch.testing.assert_close(model(src, lengths, prev)[0], want, rtol=0,
+                                       atol=V0_TOLERANCE * want.abs().max().item(), msg=mode)
 
 
 def test_a_v0_criterion_config_means_what_it_meant(monkeypatch):

@@ -11,7 +11,8 @@ for the PyTorch path; same math as ``solvers.newton_semi_dual`` / ``solvers.newt
 temperature alone.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for the host CPU
-(``-march=native``) and cached under ``$SOFTTOPK_CACHE_DIR`` (default ``~/.cache/softtopk_fairseq``), keyed
+(``-march=native``; ``$SOFTTOPK_CPU_ARCH`` names another) and cached under ``$SOFTTOPK_CACHE_DIR`` (default
+``~/.cache/softtopk_fairseq``), keyed
 by the source, the flags, the compiler and the CPU's feature flags, so that a cache shared by different
 machines never hands one a binary built for another. When no compiler works, :func:`library` raises and
 ``backend="auto"`` uses the PyTorch path with one warning (``backends.fall_back``).
@@ -39,7 +40,10 @@ CONSTANTS = {**KERNEL_CONSTANTS, **BACKWARD_KERNEL_CONSTANTS, **UNSORTED_KERNEL_
              **STATUS_BITS}
 # -fno-trapping-math: no floating-point exception is ever unmasked here; it lets gcc turn the selects around
 # divisions and comparisons into vector blends (the grouped unsorted solve's Newton step across 16 rows).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+# $SOFTTOPK_CPU_ARCH (default native) is gcc's -march: another x86-64 level (x86-64, x86-64-v3, ...) computes here
+# the bits another CPU's build would (tests/golden/spread.py), or builds one binary for a cluster's mixed nodes.
+FLAGS = ["-O3", f"-march={os.environ.get('SOFTTOPK_CPU_ARCH', 'native')}", "-fopenmp", "-fno-math-errno",
+         "-fno-trapping-math", "-fPIC", "-shared",
          *(f"-D{name}={value!r}" for name, value in sorted(CONSTANTS.items()))]
 
 _lock = threading.Lock()
