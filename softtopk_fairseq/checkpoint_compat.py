@@ -7,6 +7,7 @@ arrays: with ``--eval-bleu`` the saved meters keep sacrebleu's n-gram counts as 
 ``checkpoint_best.pt`` of such a run is refused too. fairseq imports ``--user-dir`` before it loads a
 checkpoint, so allow-listing these classes on plugin import fixes all of them.
 """
+import _codecs
 import argparse
 import importlib
 from typing import List
@@ -27,7 +28,8 @@ def _numpy_array_globals() -> List[object]:
                                          else "numpy.core.multiarray")
     dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
                                           np.float16, np.float32, np.float64)]
-    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+    # (_codecs.encode: how a numpy scalar's bytes are pickled, a str to bytes; torch >= 2.5 allows it itself)
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes, _codecs.encode]
 
 
 def allow_fairseq_checkpoints() -> None:

@@ -13,9 +13,9 @@ from softtopk_fairseq.ops import BadScoresError, soft_topk
 
 
 def _triton_usable():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    from softtopk_fairseq.ops import backends
+
+    if backends.TRITON.usable() is not None:  # triton missing, or older than the kernels support
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 

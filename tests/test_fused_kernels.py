@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from softtopk_fairseq.ops import BadScoresError, cpu_kernels, soft_topk
+from softtopk_fairseq.ops import BadScoresError, backends, cpu_kernels, soft_topk
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Valid inputs must not make a kernel compute inf - inf or overflow, even on lanes it discards: the Triton
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
 def _triton_usable():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if backends.TRITON.usable() is not None:  # triton missing, or older than the kernels support
         return False
     return TRITON_DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -864,3 +862,21 @@ def test_cpu_sorted_groups_follow_the_row_by_row_solve_without_halvings():
         alone, info_r = cpu_kernels.forward(x[r:r + 1], None, eps[r:r + 1], *args[2:], max_halvings=0)[:2]
         torch.testing.assert_close(out[r:r + 1], alone, atol=1e-6, rtol=0)
         assert float(info_r[0, 0]) == 1.0
+
+
+def test_the_triton_backend_refuses_a_triton_older_than_the_kernels_support(monkeypatch):
+    """A triton older than backends.TRITON_OLDEST (torch 2.4 pins 3.0, whose compiler and interpreter fail in the
+    kernels) makes the Triton backend unusable, saying which version and why, so that ``auto`` runs the PyTorch
+    path with a warning instead of failing inside a kernel; the answer is found once per process."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", "3.0.0")
+    backends._triton_problem.cache_clear()
+    try:
+        why = backends.TRITON.usable()
+        assert why is not None and "triton 3.0.0 is older than 3.6" in why
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
+        assert backends.TRITON.usable() == why  # (cached: the version is read once)
+        backends._triton_problem.cache_clear()
+        assert backends.TRITON.usable() is None
+    finally:
+        backends._triton_problem.cache_clear()

@@ -52,3 +52,26 @@ def test_an_explicit_index_is_used_for_the_cuda_build_only(tmp_path, flavour):
     out = _plan(tmp_path, SOFTTOPK_TORCH=flavour, SOFTTOPK_TORCH_INDEX="https://example.invalid/whl")
     assert out.returncode == 0
     assert ("(index https://example.invalid/whl)" in out.stdout) == (flavour == "cuda")
+
+
+def test_the_lowest_versions_checked_are_the_floors_pyproject_declares():
+    """scripts/test_lowest.sh's pins (constraints-lowest.txt) sit on the floors that pyproject.toml declares --
+    Python, torch, numpy, fairseq-fixed --, so that what is declared is what is tested; and the test files it runs
+    exist."""
+    import re
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
+        pyproject = f.read()
+    with open(os.path.join(root, "constraints-lowest.txt"), encoding="utf-8") as f:
+        pins = {line.split("==")[0]: line.split("==")[1].strip() for line in f if "==" in line and line[0] != "#"}
+    floors = dict(re.findall(r'"(torch|numpy|fairseq-fixed)>=([\d.]+)"', pyproject))
+    assert set(floors) == {"torch", "numpy", "fairseq-fixed"}, floors
+    for name, floor in floors.items():
+        assert pins[name].startswith(floor + ".") or pins[name] == floor, (name, floor, pins[name])
+    python_floor = re.search(r'requires-python = ">=(3\.\d+)"', pyproject).group(1)
+    assert f"{sys.version_info[0]}.{sys.version_info[1]}" == python_floor  # the check's venv: this Python
+    with open(os.path.join(root, "tests", "lowest_versions.txt"), encoding="utf-8") as f:
+        files = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert files and all(os.path.exists(os.path.join(root, path)) for path in files), files

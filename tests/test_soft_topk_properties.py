@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from softtopk_fairseq.ops import soft_topk
+from softtopk_fairseq.ops import backends, soft_topk
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # Largest magnitude each dtype can hold comfortably (float16 overflows past 65504).
@@ -20,7 +20,8 @@ TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.flo
 
 
 BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
-    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"), reason="no triton runtime"))]
+    backends.TRITON.usable() is not None
+    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"), reason="no triton runtime"))]
 EXAMPLES = {"torch": 120, "cpu": 60, "triton": 15 if torch.cuda.is_available() else 8}  # (8: the interpreter)
 
 

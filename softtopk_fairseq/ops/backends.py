@@ -21,7 +21,9 @@ the fused kernels cannot be had (no triton, no C compiler) or a launch fails (a 
 """
 import abc
 import contextlib
+import functools
 import os
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -355,6 +357,29 @@ class CpuBackend(FusedBackend):
         return solve_without_refused(x, mask, eps, again)
 
 
+# The oldest triton the Triton kernels are tested with (3.0, which torch 2.4 pins, fails in them).
+TRITON_OLDEST = (3, 6)
+
+
+def _dotted(version: Tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_problem() -> Optional[str]:
+    """Why the Triton kernels cannot run in this process (triton missing or too old), or None; found once (every
+    GPU call asks)."""
+    try:
+        import triton
+    except ImportError as e:
+        return f"triton is not installed ({e}); pip install 'triton>={_dotted(TRITON_OLDEST)}'"
+    version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    if version < TRITON_OLDEST:
+        return (f"triton {triton.__version__} is older than {_dotted(TRITON_OLDEST)}, the oldest the kernels are "
+                f"tested with (torch {torch.__version__} requires it; torch 2.11 comes with 3.6)")
+    return None
+
+
 class TritonBackend(FusedBackend):
     """The Triton kernels (``triton_kernels.py``); CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``). Their
     forwards report bad scores per row, read with one synchronisation."""
@@ -367,11 +392,7 @@ class TritonBackend(FusedBackend):
         return triton_kernels
 
     def usable(self):
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            return f"triton is not installed ({e}); pip install triton"
-        return None
+        return _triton_problem()
 
     def runs_on(self, x):
         if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":

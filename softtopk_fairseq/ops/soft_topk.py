@@ -232,10 +232,12 @@ def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend) -> Optional[b
     general path, which checks them and says what is wrong), float32 contiguous scores selected along their last
     dimension, not under torch.compile, and a backend with a thin path for them (``backends.thin_route``; on CPU
     with the paper scaling only unsorted)."""
+    if torch.compiler.is_compiling():  # (first: what follows is not for Dynamo to trace)
+        return None
     if not (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.dim() > 0
             and (dim == -1 or dim == scores.dim() - 1) and type(k) is int and 0 < k <= scores.shape[-1]
             and type(epsilon) in (float, int) and _FLOAT32.tiny <= epsilon <= _FLOAT32.max and scaling in ("none", "paper")
-            and scores.is_contiguous() and scores.numel() > 0 and not torch.compiler.is_compiling()):
+            and scores.is_contiguous() and scores.numel() > 0):
         return None
     impl = backends.thin_route(scores, backends.resolve(backend))
     if impl is backends.CPU and sorted and scaling == "paper":
