@@ -833,3 +833,59 @@ def test_the_stopping_check_finds_runs_that_trained_past_their_early_stopping_ru
            "before that, so the checkpoint scored is the rule's" in line
     assert "`attention.softmax.seed3` trained to epoch 7, where its rule stops at 4; its best epoch (5) is after " \
            "that: the checkpoint scored is not the rule's." in line
+
+
+def test_converged_report_reports_the_fine_tunings_to_convergence_at_the_chosen_rate(tmp_path, monkeypatch):
+    """The report's ``tune`` section from a ledger alone: the rate line (the control's val BLEU at each rate on its
+    seed), the arms at the chosen rate only (the control's run at the other rate left out), the soft arms against
+    the control with per-seed and pooled tests, the answer naming how many runs are in, and the learning-curve
+    figure (one panel per arm)."""
+    import random
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    from ledger import append_row
+
+    sys.path.insert(0, os.path.dirname(CONVERGED))
+    import significance  # (the report's tests, with fewer resamples: their p-values are not what is checked here)
+
+    monkeypatch.setattr(significance, "TESTS", {"bootstrap": ("bs", 50), "randomisation": ("ar", 50)})
+    data = toy_raw_data(tmp_path / "raw")
+    ledger = tmp_path / "en_fr.jsonl"
+    refs = {subset: (data / f"{name}.fr").read_text().splitlines()
+            for subset, name in (("valid", "val"), ("test", "test_2016_flickr"))}
+    rng = random.Random(0)
+
+    def row(key, stage, method, seed, valid, **fields):
+        for subset, lines in refs.items():  # hypotheses: the references with some words dropped
+            hyps = [" ".join(w for w in line.split() if rng.random() > 0.2) for line in lines]
+            with gzip.open(tmp_path / "en_fr.hyps" / f"{key}.{subset}.fr.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(hyps) + "\n")
+        curve = [{"epoch": e, "updates": 10 * e, "bleu": valid - 1.0 / e} for e in (1, 2, 3)]
+        append_row(str(ledger), {"key": key, "stage": stage, "method": method, "seed": seed, "pair": "en-fr",
+                                 "bleu": {"valid": valid, "test": valid}, "val_curve": curve, "epochs": 3,
+                                 "converged": True, "train_s": 60.0, "extra": ["--patience", "5"], **fields})
+
+    (tmp_path / "en_fr.hyps").mkdir()
+    for seed in (1, 2):
+        row(f"pretrain.rnnsearch.seed{seed}", "pretrain", "teacher_forcing", seed, 40.0)
+    row("tune.tf.lr0.001.seed1", "tune", "tf", 1, 41.0, lr=1e-3, start="pretrain.rnnsearch.seed1")
+    row("tune.tf.lr0.0005.seed1", "tune", "tf", 1, 42.0, lr=5e-4, start="pretrain.rnnsearch.seed1")
+    for seed in (1, 2):
+        for method in ("soft_beam_paper", "soft_beam_rho05") + (("tf",) if seed == 2 else ()):
+            row(f"tune.{method}.lr0.0005.seed{seed}", "tune", method, seed, 41.5, lr=5e-4,
+                start=f"pretrain.rnnsearch.seed{seed}")
+    page_path, plot_path = tmp_path / "page.md", tmp_path / "fig" / "bleu.png"
+    plot_path.parent.mkdir()
+    converged.main(["report", "--pair", str(ledger), str(data), "--out", str(page_path), "--plot", str(plot_path)])
+    page = page_path.read_text()
+    tune = page[page.index("## Training through beam search, fine-tuned to convergence"):
+                page.index("## The pre-trainings")]
+    assert "the control on seed 1 reached val BLEU 41.00 at 0.001, 42.00 at 0.0005 (its start: 40.00); every run " \
+           "is at 0.0005." in tune
+    assert re.search(r"\| continued teacher forcing \| en-fr \| 2 \|", tune)  # seeds 1 and 2 at 5e-4, not 1e-3
+    for system in ("soft beam search (paper's setting)", "soft beam search, rho 0.5"):
+        assert re.search(rf"\| {re.escape(system)} - continued teacher forcing \| en-fr \| val \| s1 [-+]\d", tune)
+    assert "(runs in the ledger: continued teacher forcing 2 of 3, soft beam search (paper's setting) 2 of 3, " \
+           "soft beam search, rho 0.5 2 of 3)" in page
+    assert (plot_path.parent / "multi30k_beam_training_curves.png").exists()
+    assert "](fig/multi30k_beam_training_curves.png)" in tune

@@ -31,7 +31,8 @@ ARM_NAMES = {"softmax": "softmax", "soft_topk": "SOFT top-k", "hard_topk": "hard
              "softmax_patience10": "softmax, patience 10", "tf": "continued teacher forcing",
              "soft_beam_paper": "soft beam search (paper's setting)", "softmax_k_times": "softmax-k-times",
              "soft_beam_topk_bookkeeping": "soft beam search with topk bookkeeping",
-             "soft_beam_nats": "soft beam search with topk bookkeeping in nats", "start": "starting checkpoint"}
+             "soft_beam_nats": "soft beam search with topk bookkeeping in nats", "start": "starting checkpoint",
+             "soft_beam_rho05": "soft beam search, rho 0.5"}
 # The comparisons reported: (system, baseline) arms of one stage, each tested per seed and pooled.
 ATTENTION_COMPARISONS = [("soft_topk", "softmax"), ("hard_topk", "softmax"), ("soft_topk", "hard_topk"),
                          ("perturbed", "hard_topk"), ("perturbed_64", "perturbed"),
@@ -40,6 +41,12 @@ ATTENTION_COMPARISONS = [("soft_topk", "softmax"), ("hard_topk", "softmax"), ("s
 FINETUNE_COMPARISONS = [("soft_beam_paper", "tf"), ("softmax_k_times", "tf"), ("soft_beam_paper", "start"),
                         ("tf", "start")]
 SWEEP = ("soft_beam_paper", "soft_beam_topk_bookkeeping", "soft_beam_nats")
+# The fine-tunings to convergence (stage ``tune``): the arms, the control, and the comparisons.
+TUNE_ARMS = ("start", "tf", "soft_beam_paper", "soft_beam_rho05")
+TUNE_CONTROL = "tf"
+TUNE_COMPARISONS = [("soft_beam_paper", "tf"), ("soft_beam_rho05", "tf"), ("soft_beam_paper", "soft_beam_rho05"),
+                    ("tf", "start"), ("soft_beam_paper", "start"), ("soft_beam_rho05", "start")]
+TUNE_SEEDS = 3  # per arm: the study's plan
 
 
 class Pair(NamedTuple):
@@ -92,6 +99,10 @@ def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
     keys = {}
     if stage == "tune" and arm == "start":
         return dict(sorted({row["seed"]: row["start"] for row in pair.rows.values() if row["stage"] == "tune"}.items()))
+    if stage == "tune":  # the runs at the rate the study chose (the control also ran at the others, on one seed)
+        rate = tune_rate(pair)
+        return dict(sorted((row["seed"], key) for key, row in pair.rows.items()
+                           if row["stage"] == "tune" and row["method"] == arm and row["lr"] == rate))
     if stage == "finetune" and arm == "start":
         for key, row in pair.rows.items():
             if row["stage"] in ("pretrain", "rerun") and not re.search(r"\.rerun\d+$", key):
@@ -103,6 +114,15 @@ def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
         if row["stage"] == stage and row["method"] == arm:
             keys[row["seed"]] = key
     return dict(sorted(keys.items()))
+
+
+def tune_rate(pair: Pair) -> Optional[float]:
+    """The learning rate of a pair's fine-tunings to convergence: the one its soft beam-search runs share (the
+    driver chose it on the control's val BLEU before running them); None before the first of them."""
+    rates = {row["lr"] for row in pair.rows.values() if row["stage"] == "tune" and row["method"] != TUNE_CONTROL}
+    if len(rates) > 1:
+        raise ValueError(f"{pair.ledger}: the soft fine-tunings to convergence ran at several rates: {sorted(rates)}")
+    return rates.pop() if rates else None
 
 
 def _sha(lines: List[str]) -> str:
@@ -494,6 +514,78 @@ def summary(found_attention: dict, found_finetune: dict, pairs: List[Pair], swee
     return lines
 
 
+def tune_rate_line(pair: Pair) -> str:
+    """How the fine-tunings' rate was chosen: the control's val BLEU at each rate on the seed that tried them."""
+    tried = sorted(((row["seed"], row["lr"], row["bleu"]["valid"]) for row in pair.rows.values()
+                    if row["stage"] == "tune" and row["method"] == TUNE_CONTROL), key=lambda t: -t[1])
+    seeds = [seed for seed, _, _ in tried]
+    seed = max(set(seeds), key=seeds.count) if seeds else None
+    tried = [(lr, bleu) for s_, lr, bleu in tried if s_ == seed]
+    if len(tried) < 2:
+        return f"{pair.name}: the rate is not chosen yet (the control has run at {len(tried)} rate(s) on one seed)."
+    rate = tune_rate(pair)
+    start = pair.rows.get(arm_keys(pair, "tune", "start").get(seed, ""), {}).get("bleu", {}).get("valid")
+    return (f"{pair.name}: the control on seed {seed} reached val BLEU "
+            + ", ".join(f"{bleu:.2f} at {lr:g}" for lr, bleu in tried)
+            + (f" (its start: {start:.2f})" if start is not None else "")
+            + (f"; every run is at {rate:g}." if rate is not None else "; the soft runs have not started."))
+
+
+def tune_summary(found: dict, pairs: List[Pair]) -> List[str]:
+    """The answer of the fine-tunings to convergence, per pair: the soft arms against the control, on val and test,
+    once there are runs (else how many of the plan are in the ledger)."""
+    lines = []
+    for pair in pairs:
+        runs = {arm: len(arm_keys(pair, "tune", arm)) for arm in TUNE_ARMS[1:]}
+        if not any(runs.values()):
+            continue
+        done = ", ".join(f"{ARM_NAMES[arm]} {n} of {TUNE_SEEDS}" for arm, n in runs.items())
+        parts = []
+        for system in ("soft_beam_paper", "soft_beam_rho05"):
+            val, test = (found.get((system, TUNE_CONTROL, pair.name, subset)) for subset in SUBSETS)
+            if val is not None:
+                parts.append(f"{ARM_NAMES[system]} against continued teacher forcing: on val {_pooled_claim(val)}; "
+                             f"on test {_pooled_claim(test)}, {_pooled_claim(test, 'chrF')}, t-test over seeds p "
+                             f"{_p(t_test_p(test.deltas('BLEU')))}")
+        moved = found.get((TUNE_CONTROL, "start", pair.name, "valid"))
+        if moved is not None:
+            parts.append(f"the control against its start on val: {_pooled_claim(moved)}")
+        lines.append(f"- **Training through beam search, fine-tuned to convergence, {pair.name}** (runs in the "
+                     f"ledger: {done}): " + ("; ".join(parts) if parts else "no soft run compared yet") + ".")
+    return lines
+
+
+def tune_curves(pairs: List[Pair], path: str) -> bool:
+    """Val BLEU against updates of each fine-tuning to convergence, one panel per arm and pair, one line per seed,
+    the start's val BLEU dashed; False (nothing drawn) without runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(pair, arm) for pair in pairs for arm in TUNE_ARMS[1:] if arm_keys(pair, "tune", arm)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False, sharey=True)
+    for ax, (pair, arm) in zip(axes[0], panels):
+        starts = arm_keys(pair, "tune", "start")
+        for seed, key in arm_keys(pair, "tune", arm).items():
+            curve = pair.rows[key]["val_curve"]
+            ax.plot([p["updates"] for p in curve], [p["bleu"] for p in curve], marker=".", color=f"C{seed - 1}",
+                    label=f"seed {seed}")
+            start = pair.rows.get(starts.get(seed, ""), {}).get("bleu", {}).get("valid")
+            if start is not None:
+                ax.axhline(start, color=f"C{seed - 1}", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{pair.name}: {ARM_NAMES[arm]}", fontsize=9)
+        ax.set_xlabel("updates")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("val BLEU (fairseq, beam 5)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def sweep_summary(pair: Pair, tests: Tests) -> Optional[str]:
     """The sweep's settings on its one seed (val BLEU, which chose; test BLEU beside it)."""
     found = {}
@@ -636,7 +728,13 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
     finetune_lines, found_finetune = comparison_table(pairs, tests, "finetune", FINETUNE_COMPARISONS)
     sweep_lines = {p.name: sweep_summary(p, tests[p.name]) for p in pairs}
     sweep = next((line for line in sweep_lines.values() if line), None)
-    answers = summary(found_attention, found_finetune, pairs, sweep)
+    tune_lines, found_tune = comparison_table(pairs, tests, "tune", TUNE_COMPARISONS)
+    answers = summary(found_attention, found_finetune, pairs, sweep) + tune_summary(found_tune, pairs)
+    tune_arms = [a for a in TUNE_ARMS if any(arm_keys(p, "tune", a) for p in pairs)]
+    curves = (os.path.join(os.path.dirname(plot_path), "multi30k_beam_training_curves.png")
+              if plot_path and tune_arms and tune_curves(pairs, os.path.join(os.path.dirname(plot_path),
+                                                                              "multi30k_beam_training_curves.png"))
+              else None)
     fairness = [fairness_line(pair, found_attention) for pair in pairs]
     if plot_path:
         plot(pairs, tests, plot_path)
@@ -719,6 +817,33 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         ]
         if sweep:
             page += [sweep, ""]
+    if tune_arms or any(row["stage"] == "tune" for p in pairs for row in p.rows.values()):
+        page += [
+            "## Training through beam search, fine-tuned to convergence",
+            "",
+            "From each seed's converged RNNsearch (its *starting checkpoint*, named in each row), each arm restarts "
+            "Adam at one rate under the pre-training's plateau schedule (x0.5 after an epoch without a val BLEU "
+            "gain beyond the first) and stops after 5 epochs without a gain, validated every epoch, best on val: "
+            "continued teacher forcing (the control), soft beam search in the paper's setting (rho 0.8, beam 5, "
+            "epsilon 0.1 with the paper's scaling, argmax bookkeeping) and the same at rho 0.5, both with 50 "
+            "candidates per sentence (the exact search costs 3x more; the pruning comparison below measures how "
+            "close their gradients are). The rate, 1e-3 (the pre-training's own initial rate) or half of it, is "
+            "chosen on one seed's control alone, by its val BLEU -- no soft beam-search result takes part in it:",
+            "",
+            *[f"- {tune_rate_line(pair)}" for pair in pairs if any(r["stage"] == "tune" for r in pair.rows.values())],
+            "",
+            *arm_table(pairs, tests, "tune", tune_arms),
+            "",
+            *tune_lines,
+            "",
+            *convergence_table(pairs, "tune", tune_arms[1:] if tune_arms[:1] == ["start"] else tune_arms),
+            "",
+            stopping_check(pairs, "tune", tune_arms[1:] if tune_arms[:1] == ["start"] else tune_arms),
+            "",
+        ]
+        if curves and page_path:
+            page += [f"![Val BLEU against updates of each fine-tuning to convergence, one line per seed, the start "
+                     f"dashed]({os.path.relpath(curves, os.path.dirname(page_path))})", ""]
     page += [
         "## The pre-trainings",
         "",
@@ -732,7 +857,7 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         *pruning_section(pairs),
         "## Each seed's own tests",
         "",
-        *per_seed_tests({**found_attention, **found_finetune}),
+        *per_seed_tests({**found_attention, **found_finetune, **found_tune}),
         "",
         "## How these were obtained",
         "",
