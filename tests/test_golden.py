@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from golden.cases import CASES, computed
+from golden.cases import BACKENDS, CASES, backends_here, computed
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 GOLDEN = os.path.join(HERE, "golden.pt")
@@ -23,8 +23,9 @@ RECORDED_ON = "recorded_on.json"
 # Off the recording environment: each case's largest allowed difference, relative to the largest magnitude of the
 # tensor's group (group_scales): about 20x the largest difference tests/golden/spread.py measured on the recording
 # machine under other CPUs' code paths (lower ATen and MKL vector levels, the C kernels for x86-64 and x86-64-v3),
-# at most 4.3e-7 in every case (docs/architecture.md, "The golden values", has the table). Discrete outputs
-# (iteration counts) are compared exactly everywhere.
+# at most 4.3e-7 in every case (docs/architecture.md, "The golden values", has the table). Iteration counts within
+# one step: a row whose error lands at the solver's tolerance takes one more under torch 2.4.1 (the lowest-versions
+# check).
 TOLERANCE = {"soft_topk": 1e-5, "unchecked": 1e-5, "relaxation_ops": 1e-5, "criterion": 1e-5, "attention": 1e-5}
 # Settings under which this machine takes other x86-64 CPUs' code paths (tests/golden/spread.py has more).
 OTHER_CPU = {"SOFTTOPK_CPU_ARCH": "x86-64", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
@@ -86,7 +87,9 @@ def recorded_here():
 @pytest.mark.parametrize("case", list(CASES))
 def test_outputs_and_gradients_match_the_recorded_ones(case, golden, recorded_here):
     got = computed(CASES[case])
-    missing = sorted(set(n for n in golden if n.startswith(_case_prefixes(case))) - set(got))
+    skipped = tuple(f".{b}." for b in BACKENDS if b not in backends_here())  # (an unusable triton's entries)
+    missing = sorted(set(n for n in golden if n.startswith(_case_prefixes(case)) and not any(b in n for b in skipped))
+                     - set(got))
     assert not missing, f"cases no longer computed: {missing[:5]}"
     assert set(got) <= set(golden), f"cases not recorded: {sorted(set(got) - set(golden))[:5]}"
     scales = group_scales({name: golden[name] for name in got})
@@ -94,8 +97,10 @@ def test_outputs_and_gradients_match_the_recorded_ones(case, golden, recorded_he
         expected = golden[name]
         assert value.dtype == expected.dtype and value.shape == expected.shape, name
         assert torch.equal(torch.isnan(value), torch.isnan(expected)), name
-        if recorded_here or name.endswith(".iterations"):
+        if recorded_here:
             assert torch.equal(torch.nan_to_num(value), torch.nan_to_num(expected)), name
+        elif name.endswith(".iterations"):  # a row whose error lands at the tolerance may take one step more or less
+            assert (value - expected).abs().max() <= 1, name
         else:
             torch.testing.assert_close(value, expected, rtol=0, atol=TOLERANCE[case] * scales[name], equal_nan=True,
                                        msg=lambda m, name=name: f"{name}: {m}")

@@ -17,6 +17,14 @@ Case = Callable[[], Dict[str, Tensor]]
 
 BACKENDS = ("torch", "cpu", "triton")
 
+
+def backends_here():
+    """BACKENDS but the Triton one where its triton is too old (the lowest supported torch pins one): its recorded
+    values are then not compared (test_golden.py)."""
+    from softtopk_fairseq.ops import backends
+
+    return tuple(b for b in BACKENDS if b != "triton" or backends.TRITON.usable() is None)
+
 # torch's CPU reductions split their work by the thread count, and the split changes the last bits: every case
 # is computed with this many threads (the count golden.pt was recorded with), whatever the machine or an earlier
 # test set.
@@ -78,7 +86,7 @@ def soft_topk_cases() -> Dict[str, Tensor]:
     mask = _scores(2, (6, 23)) > -0.8
     mask[2, :] = False
     mask[2, :2] = True  # a row with fewer valid entries than k (unsorted: all 1)
-    for backend in BACKENDS:
+    for backend in backends_here():
         for sorted in (False, True):
             for scaling in ("none", "paper"):
                 k = 3 if sorted else 5
@@ -115,7 +123,7 @@ def unchecked_cases() -> Dict[str, Tensor]:
     found = {}
     x = _scores(6, (4, 17))
     x[2, 5] = torch.nan
-    for backend in BACKENDS:
+    for backend in backends_here():
         for sorted in (False, True):
             out = soft_topk(x, 3, sorted=sorted, epsilon=0.2, scaling="paper", backend=backend, check_errors=False)
             found[f"unchecked.{backend}.{sorted}"] = out
