@@ -202,8 +202,9 @@ def bench_floor(args, results):
                         baseline_seconds=kk.seconds("hard top-k"), table="floor", k=k)
             notes.append(f"{shape}, k = {k}: ours unsorted {kk.seconds('ours unsorted') * 1e3:.2f} ms, "
                          f"{kk.ratio('ours unsorted'):.2f}x the hard top-k ({kk.seconds('hard top-k') * 1e3:.2f} ms)")
-    for note in notes + targets:
-        print(f"- {note}")
+    small, small_target = bench_small_call(args, results)
+    for line in notes + [small] + targets + [small_target]:
+        print(f"- {line}")
 
 
 # The host cost of a small call: the README's call on 4 x 16 scores, forward + backward, with and without

@@ -183,7 +183,12 @@ def test_operator_benchmark_floor_table_ratios_to_the_hard_topk_and_time_against
     assert rows[1][0] == "generic 64x1000"
     records = list(harness.read_rows(str(path)))
     floor = {r["row"]: r for r in records if r["figures"]["table"] == "floor" and "k" not in r["figures"]}
-    assert set(floor) == {"hard top-k", "ours unsorted", "ours sorted", "budget_bisect"}, out
+    assert set(floor) == {"hard top-k", "ours unsorted", "ours sorted", "budget_bisect",
+                          "ours unsorted check_errors=True", "ours unsorted check_errors=False"}, out
+    small = floor["ours unsorted check_errors=False"]  # the small call's host cost, without against with checks
+    assert small["shape"] == "small 4x16" and small["baseline"]["row"] == "ours unsorted check_errors=True"
+    assert (f"target: check_errors=False <= 1.1x check_errors=True at small 4x16: "
+            f"{'met' if small['ratio'] <= 1.1 else 'NOT met'} ({small['ratio']:.2f}x)") in out
     ours = floor["ours unsorted"]
     assert ours["baseline"]["row"] == "hard top-k" and rows[1][3] == f"{ours['ratio']:.2f}x"
     assert floor["hard top-k"]["figures"]["pass"] == "forward"
@@ -196,3 +201,24 @@ def test_operator_benchmark_floor_table_ratios_to_the_hard_topk_and_time_against
     against = {(r["row"], r["shape"]) for r in records if r["figures"]["table"] == "against_n"}
     assert {("authors' code (sorted)", "64x32"), ("ours unsorted", "64x100"), ("hard top-k", "64x100")} <= against
     assert plot.stat().st_size > 0
+
+
+def test_operator_benchmark_call_cost_table_ratios_to_the_hard_mask_with_the_gpu_targets(tmp_path):
+    """The call-cost table: the hard mask, unsorted with and without check_errors and sorted at each shape asked,
+    each ratio recorded against its baseline row and printed with its target (on CPU said to be a GPU target)."""
+    path = tmp_path / "rows.jsonl"
+    out = bench("bench_soft_topk.py", "--tables", "call_cost", "--call-cost-shapes", "generic", "attention",
+                "--call-cost-rounds", "1", "--threads", "1", "--json", path)
+    rows = table(out)
+    assert [r[0] for r in rows[1:]] == ["generic 64x1000", "attention 7680x32"]
+    records = [r for r in harness.read_rows(str(path)) if r["figures"]["table"] == "call_cost"]
+    got = {(r["row"], r["shape"]): r for r in records}
+    assert set(row for row, _ in got) == {"hard top-k", "unsorted", "unsorted unchecked", "sorted"}
+    for shape in ("generic 64x1000", "attention 7680x32"):
+        for row, base, bound in (("unsorted unchecked", "hard top-k", 2), ("unsorted", "hard top-k", 3),
+                                 ("sorted", "unsorted", 2)):
+            r = got[(row, shape)]
+            assert r["baseline"]["row"] == base
+            assert r["ratio"] == pytest.approx(r["seconds"] / got[(base, shape)]["seconds"])
+            assert (f"target: {row} <= {bound}x {base} at {shape}: a GPU target, not checked on CPU "
+                    f"({r['ratio']:.2f}x)") in out
