@@ -552,6 +552,7 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
             (tmp_path / "work" / "checkpoints" / key / f"{subset}.beam5.fr").read_text().splitlines()
     blind_out = tmp_path / "ledger.blind"
     assert os.listdir(blind_out) == [f"{key}.news.fr.gz"]
+    assert os.listdir(tmp_path / "ledger.starts") == [f"{key}.pt"]  # the checkpoint kept for fine-tunings
     assert len(lines_of_gzip(blind_out / f"{key}.news.fr.gz")) == 3  # one hypothesis per source line
 
     again = driver("run", *common, "--stages", "pretrain", "--extra-args", TINY_RNNSEARCH)
@@ -576,8 +577,10 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
     foreign.write_text(json.dumps({**rows[0], "key": "attention.softmax.seed9", "data_fingerprint": "0" * 16}) + "\n")
     refused(data, foreign, "other prepared data")
 
-    # Another workdir's ledger: the checkpoints are gone, the ledger and the kept hypotheses are not.
+    # Another workdir's ledger: the checkpoints are gone, the ledger and the kept hypotheses are not (nor, here,
+    # the checkpoint kept beside the ledger, which would be used instead: test_converged_study_uses_a_checkpoint_...)
     shutil.rmtree(tmp_path / "work" / "checkpoints")
+    shutil.rmtree(tmp_path / "ledger.starts")
     skipped = driver("run", *common, "--stages", "finetune", "--runs", "tf", "--extra-args", TINY_RNNSEARCH)
     assert "is in the ledger but" in skipped and "--retrain-missing" in skipped
     with open(ledger) as f:
@@ -662,8 +665,10 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys,
     assert len(lines_of_gzip(blind_out / "attention.softmax.seed1.news.fr.gz")) == 2
     again = driver("run", *common, "--stages", "pretrain", "finetune", "--runs", "tf", "--extra-args", rnn)
     assert "pretrain.rnnsearch.seed1: in the ledger, skipped" in again and "finetune.tf.seed1: in the ledger" in again
-    # Another workdir's ledger: the checkpoints are gone, the ledger and the kept hypotheses are not.
+    # Another workdir's ledger: the checkpoints are gone, the ledger and the kept hypotheses are not (nor the
+    # checkpoint kept beside the ledger, which would be used instead).
     shutil.rmtree(tmp_path / "work" / "checkpoints")
+    shutil.rmtree(tmp_path / "ledger.starts")
     skipped = driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--extra-args", rnn)
     assert "is in the ledger but" in skipped and "--retrain-missing" in skipped
     driver("run", *common, "--stages", "finetune", "--runs", "softmax_k_times", "--retrain-missing",
