@@ -36,16 +36,15 @@ def environment() -> dict:
     library versions and the C compiler."""
     import numpy
 
-    cpu = flags = ""
+    from softtopk_fairseq.ops.cpu_kernels import _cpu_features  # (the line the C kernels' cache is keyed by)
+
+    cpu = platform.processor()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and not cpu:
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith(("flags", "Features")) and not flags:
-                    flags = line.split(":", 1)[1].strip()
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
-        cpu = platform.processor()
+        pass
+    flags = _cpu_features().split(":", 1)[-1].strip()
     try:
         cc = subprocess.run([os.environ.get("CC", "cc"), "--version"], capture_output=True, text=True).stdout
     except OSError:

@@ -688,7 +688,7 @@ class Study:
         if key not in rows:
             print(f"seed {seed}: no converged pre-training yet (run --stages pretrain), skipped", flush=True)
             return None
-        newest = [k for k in [key, *itertools.takewhile(lambda k: k in rows, rerun_keys(key))]][-1]
+        newest = [key, *itertools.takewhile(lambda k: k in rows, rerun_keys(key))][-1]
         kept = os.path.join(starts_dir(self.ledger), f"{newest}.pt")
         if os.path.exists(kept):  # kept beside the ledger: a workdir of its own
             restored = os.path.join(self.args.workdir, "checkpoints", f"{newest}.start")
