@@ -594,6 +594,68 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
     assert "- **Top-k attention, en-fr**: not measured yet." in page  # no claim without runs
 
 
+def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
+    """``carry`` keeps a run in flight beside the ledger (a run whose best checkpoint is its last carries one
+    checkpoint); ``run`` in a workdir without its checkpoints restores it, continues from its last epoch -- one
+    log per start, the carried epoch's validation in the row's curve -- and removes it once the row is recorded."""
+    data = toy_raw_data(tmp_path / "raw")
+    ledger = tmp_path / "ledger.jsonl"
+    common = ["--data", str(data), "--workdir", str(tmp_path / "work"), "--ledger", str(ledger), "--bpe-size", "90",
+              "--seeds", "1", "--max-epoch", "2", "--patience", "2", "--stages", "pretrain"]
+    key = "pretrain.rnnsearch.seed1"
+    save, carried = tmp_path / "work" / "checkpoints" / key, tmp_path / "ledger.carried" / key
+    # A run stopped after its first epoch (--max-epoch 1 last wins), its record taken back: a run in flight.
+    script(CONVERGED, "run", *common, "--extra-args", TINY_RNNSEARCH + " --max-epoch 1", timeout=900)
+    ledger.write_text("")
+    (save / "ledger_key").unlink()
+    shutil.rmtree(tmp_path / "ledger.starts")
+    said = script(CONVERGED, "carry", *common)
+    assert f"{key}: carried at update" in said and "1 run(s) in flight carried" in said
+    assert sorted(os.listdir(carried))[0] == "checkpoint_last.pt" and len(os.listdir(carried)) == 2  # and its log
+    shutil.rmtree(tmp_path / "work" / "checkpoints")  # another machine (the prepared data kept: no need to redo it)
+
+    out = script(CONVERGED, "run", *common, "--extra-args", TINY_RNNSEARCH, timeout=900)
+    assert f"{key}: restoring the run carried in {carried}" in out and f"{key}: continuing from" in out
+    with open(ledger) as f:
+        row, = [json.loads(line) for line in f]
+    assert row["key"] == key and row["resumed"] and len(row["train_s_starts"]) == 2
+    assert [p["epoch"] for p in row["val_curve"]] == [1, 2] and row["epochs"] == 2
+    assert not carried.exists() and os.listdir(tmp_path / "ledger.starts") == [f"{key}.pt"]
+    assert "0 run(s) in flight carried" in script(CONVERGED, "carry", *common)
+
+
+def test_a_carried_run_keeps_its_best_checkpoint_without_the_optimizer_state(tmp_path):
+    """carry_run / restore_carried: the last checkpoint whole; the best one without the optimizer state when it is
+    an earlier save, not carried when it is the last one's (restored as a copy of it); the logs."""
+    import torch
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+
+    def checkpoint(path, updates):
+        torch.save({"model": {"w": torch.full((3,), float(updates))}, "optimizer_history": [{"num_updates": updates}],
+                    "last_optimizer_state": {"state": {0: {"exp_avg": torch.ones(3)}}}}, path)
+
+    save = tmp_path / "run"
+    save.mkdir()
+    checkpoint(save / "checkpoint_last.pt", 20)
+    checkpoint(save / "checkpoint_best.pt", 10)
+    (save / "train.1.log").write_text("first start\n")
+    (save / "checkpoint_other.pt").write_text("not carried")
+    assert converged.carry_run(str(save), str(tmp_path / "carried")) == 20
+    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
+    best = torch.load(tmp_path / "carried" / "checkpoint_best.pt", weights_only=False)
+    assert best["last_optimizer_state"] is None and best["model"]["w"][0] == 10
+    last = torch.load(tmp_path / "carried" / "checkpoint_last.pt", weights_only=False)
+    assert last["last_optimizer_state"] is not None and last["model"]["w"][0] == 20
+
+    checkpoint(save / "checkpoint_best.pt", 20)  # the best is the last: carried once
+    converged.carry_run(str(save), str(tmp_path / "carried"))  # (over the earlier carry)
+    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_last.pt", "train.1.log"]
+    converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
+    assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
+    assert (tmp_path / "restored" / "checkpoint_best.pt").read_bytes() == (save / "checkpoint_last.pt").read_bytes()
+
+
 @pytest.mark.slow
 def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys, monkeypatch):
     """The converged study's driver end to end on a toy corpus at tiny sizes: pre-training with validation

@@ -7,6 +7,8 @@
         --pair experiments/multi30k_converged/en_fr.jsonl ../shared/data/multi30k_en_fr \\
         --pair experiments/multi30k_converged/en_de.jsonl ../shared/data/multi30k_en_de \\
         --out docs/results/multi30k_converged.md --plot docs/figures/multi30k_converged_bleu.png
+    python experiments/multi30k_converged/driver.py carry --workdir work/converged \
+        --ledger experiments/multi30k_converged/en_fr.jsonl
 
 Each language pair has its ledger here, ``experiments/multi30k_converged/en_TGT.jsonl`` (and its kept hypotheses
 beside it, ``en_TGT.hyps/``), and its own workdir.
@@ -71,6 +73,13 @@ nothing here reads them back. ``blind`` translates them for ledger runs whose ch
 lack them. Ledger record: key, stage, arch, method, seed, updates, epochs, converged, the val BLEU curve, val/test
 BLEU, wall seconds (``train_s``: the start that finished; ``train_s_starts``: each start's, from its log), the
 exact extra arguments, the pair and the prepared data's fingerprint.
+
+A run longer than the machine it trains on is carried to the next: ``carry`` (the runs stopped first) keeps every
+run in flight in the workdir beside the ledger (``LEDGER.carried/FOLDER/``: its last checkpoint with the optimizer's,
+the schedule's and the data iterator's state, its best checkpoint without the optimizer state unless it is the last,
+its logs: a checkpoint and a third at most), and ``run`` in any workdir continues such a run from there as if it had not
+stopped, and removes it once the run is recorded (the row's ``train_s_starts`` has a start per machine). Each
+carry adds a checkpoint's bytes to the repository's history: for runs that no single machine can finish.
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir, or from its copy
 kept beside the ledger (``LEDGER.starts/KEY.pt``, without the optimizer state that a fine-tuning resets: a third
@@ -327,6 +336,51 @@ def keep_start(checkpoint: str, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def carried_dir(ledger: str) -> str:
+    """Where the runs in flight are carried to another machine (``carry``): beside the ledger (LEDGER minus .jsonl,
+    plus .carried), one folder per checkpoint folder, removed when its run is recorded."""
+    return re.sub(r"\.jsonl$", "", ledger) + ".carried"
+
+
+LAST, BEST_CHECKPOINT = "checkpoint_last.pt", "checkpoint_best.pt"
+
+
+def train_logs(save: str) -> List[str]:
+    """The fairseq-train logs of a checkpoint folder, one per start, oldest first."""
+    return sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
+
+
+def carry_run(save: str, dest: str) -> int:
+    """The run in flight in checkpoint folder ``save``, copied to ``dest``: its ``checkpoint_last.pt`` whole (the
+    optimizer's, the schedule's and the data iterator's state with the weights: ``run`` continues it as if it had
+    not stopped), its ``checkpoint_best.pt`` without the optimizer state (all that scoring reads) unless it is the
+    same save as the last, and its train logs (the row's curve and times). Written beside ``dest`` and then moved
+    into place, so that a carry cut short leaves the previous one. Returns the updates it was carried at."""
+    updates = checkpoint_updates(os.path.join(save, LAST))
+    partial = dest + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    shutil.copyfile(os.path.join(save, LAST), os.path.join(partial, LAST))
+    best = os.path.join(save, BEST_CHECKPOINT)
+    if os.path.exists(best) and checkpoint_updates(best) != updates:
+        keep_start(best, os.path.join(partial, BEST_CHECKPOINT))
+    for log in train_logs(save):
+        shutil.copyfile(os.path.join(save, log), os.path.join(partial, log))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(partial, dest)
+    return updates
+
+
+def restore_carried(carried: str, save: str) -> None:
+    """A run carried by :func:`carry_run` put back into its checkpoint folder ``save`` (its best checkpoint: the
+    last one when it was the same save)."""
+    os.makedirs(save, exist_ok=True)
+    for name in os.listdir(carried):
+        shutil.copyfile(os.path.join(carried, name), os.path.join(save, name))
+    if not os.path.exists(os.path.join(carried, BEST_CHECKPOINT)):
+        shutil.copyfile(os.path.join(save, LAST), os.path.join(save, BEST_CHECKPOINT))
+
+
 def blind_dir(ledger: str) -> str:
     """Where the blind test sets' hypotheses go: beside the ledger (LEDGER minus .jsonl, plus .blind). Written for
     scoring outside the project: nothing here reads them."""
@@ -538,10 +592,14 @@ class Study:
             print(f"{key}: in the ledger, skipped", flush=True)
             return done[key]
         save = os.path.join(self.args.workdir, "checkpoints", save_as or key)
+        carried = os.path.join(carried_dir(self.ledger), save_as or key)
+        if not os.path.exists(os.path.join(save, LAST)) and os.path.isdir(carried):
+            print(f"{key}: restoring the run carried in {carried}", flush=True)
+            restore_carried(carried, save)
         os.makedirs(save, exist_ok=True)
-        resumed = os.path.exists(os.path.join(save, "checkpoint_last.pt"))
+        resumed = os.path.exists(os.path.join(save, LAST))
         if resumed:
-            print(f"{key}: continuing from {save}/checkpoint_last.pt", flush=True)
+            print(f"{key}: continuing from {save}/{LAST}", flush=True)
         log = os.path.join(save, f"train.{int(time.time())}.log")  # one log per start: a resumed run keeps both
         cmd = [sys.executable, "-m", "fairseq_cli.train", os.path.join(self.data, "bin"), "--user-dir",
                os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
@@ -550,8 +608,7 @@ class Study:
         # fairseq's own deprecation warnings filtered (quiet_warnings_env), every other warning kept in the log
         run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose)
         seconds = time.time() - start
-        logs = [TrainLog(os.path.join(save, f))
-                for f in sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))]
+        logs = [TrainLog(os.path.join(save, f)) for f in train_logs(save)]
         curve = [p for t in logs for p in t.curve]
         best = best_validation(curve)
         scored = checkpoint_updates(os.path.join(save, "checkpoint_best.pt"))
@@ -582,6 +639,7 @@ class Study:
         self.record(row)
         with open(os.path.join(save, RECORDED_AS), "w", encoding="utf-8") as f:
             f.write(key + "\n")
+        shutil.rmtree(carried, ignore_errors=True)
         return row
 
     def pruning(self, seed: int) -> None:
@@ -756,6 +814,21 @@ class Study:
         if missing:
             print(f"no checkpoint in {self.args.workdir} (no blind translations): {', '.join(missing)}", flush=True)
 
+    def carry(self) -> None:
+        """``carry``: every run in flight in the workdir -- a checkpoint folder with a ``checkpoint_last.pt`` and no
+        recorded run (:data:`RECORDED_AS`) -- kept beside the ledger (:func:`carried_dir`, :func:`carry_run`), for
+        ``run`` on another machine to continue it from its last epoch. Stop the runs first: a checkpoint being
+        written is not one to copy."""
+        root = os.path.join(self.args.workdir, "checkpoints")
+        carried = 0
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            save = os.path.join(root, name)
+            if recorded_as(save) is None and os.path.exists(os.path.join(save, LAST)):
+                updates = carry_run(save, os.path.join(carried_dir(self.ledger), name))
+                print(f"{name}: carried at update {updates} into {carried_dir(self.ledger)}/{name}", flush=True)
+                carried += 1
+        print(f"{carried} run(s) in flight carried" + ("" if carried else f" (none in {root})"), flush=True)
+
     def run(self) -> None:
         a = self.args
         self.prepare()
@@ -808,7 +881,7 @@ def report(args) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["run", "report", "blind"])
+    p.add_argument("command", choices=["run", "report", "blind", "carry"])
     p.add_argument("--data", default=os.path.join(REPO_ROOT, "..", "shared", "data", "multi30k_en_fr"))
     p.add_argument("--blind", help=f"a folder of blind test sources (NAME.{SRC}, no references): every scored run "
                                    "translates them into LEDGER.blind/KEY.NAME.TGT.gz, for scoring outside the study")
@@ -861,6 +934,8 @@ def main(argv=None) -> None:
         Study(args).run()
     elif args.command == "blind":
         Study(args).blind_for_ledger()
+    elif args.command == "carry":
+        Study(args).carry()
     else:
         report(args)
 
