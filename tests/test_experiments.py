@@ -741,7 +741,9 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys,
     capsys.readouterr()
     report_reading_nothing_from(blind_out, ["--pair", str(tmp_path / "ledger.jsonl"), str(data)], monkeypatch)
     table_ = capsys.readouterr().out
-    assert "| rerun of |" in table_ and "| pretrain.rnnsearch.seed1 | en-fr |" in table_
+    assert "| rerun | of |" in table_
+    assert "| pretrain.rnnsearch.seed1.rerun | pretrain.rnnsearch.seed1 | en-fr |" in table_
+    assert "pretrain.rnnsearch.seed1.rerun differs from pretrain.rnnsearch.seed1 by" in table_
     for comparison in ("soft beam search (paper's setting) - continued teacher forcing", "SOFT top-k - softmax",
                        "SOFT top-k - hard top-k", "perturbed top-k (16 samples) - hard top-k",
                        "perturbed top-k (64 samples) - perturbed top-k (16 samples)"):

@@ -378,14 +378,14 @@ def rerun_table(pairs: List[Pair]) -> List[str]:
             if original is None:
                 continue
             if not lines:
-                lines = ["A pre-training was trained again when its checkpoint was gone; the fine-tunings of that seed "
-                         "started from the rerun:", "",
-                         "| rerun of | pair | epochs (original / rerun) | best update | BLEU val | BLEU test |",
-                         "|---|---|---|---|---|---|"]
-            lines.append(f"| {original['key']} | {pair.name} | {original['epochs']} / {row['epochs']} | "
+                lines = ["A pre-training was trained again when its checkpoint was gone (each fine-tuning of the "
+                         "converged study names the run it started from):", "",
+                         "| rerun | of | pair | epochs (original / rerun) | best update | BLEU val | BLEU test |",
+                         "|---|---|---|---|---|---|---|"]
+            lines.append(f"| {key} | {original['key']} | {pair.name} | {original['epochs']} / {row['epochs']} | "
                          f"{original['best_updates']} / {row['best_updates']} | {original['bleu']['valid']:.2f} / "
                          f"{row['bleu']['valid']:.2f} | {original['bleu']['test']:.2f} / {row['bleu']['test']:.2f} |")
-            notes.append(f"{original['key']}'s rerun differs by {row['bleu']['valid'] - original['bleu']['valid']:+.2f} "
+            notes.append(f"{key} differs from {original['key']} by {row['bleu']['valid'] - original['bleu']['valid']:+.2f} "
                          f"BLEU on val and {row['bleu']['test'] - original['bleu']['test']:+.2f} on test")
     if notes:
         lines += ["", "The same seed trained again did not give the same run (the cause is not traced): "
