@@ -611,7 +611,7 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     shutil.rmtree(tmp_path / "ledger.starts")
     said = script(CONVERGED, "carry", *common)
     assert f"{key}: carried at update" in said and "1 run(s) in flight carried" in said
-    assert sorted(os.listdir(carried))[0] == "checkpoint_last.pt" and len(os.listdir(carried)) == 2  # and its log
+    assert sorted(os.listdir(carried))[0] == "checkpoint_last.pt.part000" and len(os.listdir(carried)) == 2  # and log
     shutil.rmtree(tmp_path / "work" / "checkpoints")  # another machine (the prepared data kept: no need to redo it)
 
     out = script(CONVERGED, "run", *common, "--extra-args", TINY_RNNSEARCH, timeout=900)
@@ -626,7 +626,8 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
 
 def test_a_carried_run_keeps_its_best_checkpoint_without_the_optimizer_state(tmp_path):
     """carry_run / restore_carried: the last checkpoint whole; the best one without the optimizer state when it is
-    an earlier save, not carried when it is the last one's (restored as a copy of it); the logs."""
+    an earlier save, not carried when it is the last one's (restored as a copy of it); the logs; each checkpoint in
+    parts of at most the bytes asked for, joined back to the same bytes."""
     import torch
 
     converged = load("multi30k_converged_driver", CONVERGED)
@@ -641,16 +642,22 @@ def test_a_carried_run_keeps_its_best_checkpoint_without_the_optimizer_state(tmp
     checkpoint(save / "checkpoint_best.pt", 10)
     (save / "train.1.log").write_text("first start\n")
     (save / "checkpoint_other.pt").write_text("not carried")
-    assert converged.carry_run(str(save), str(tmp_path / "carried")) == 20
-    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
-    best = torch.load(tmp_path / "carried" / "checkpoint_best.pt", weights_only=False)
+    part_bytes = 400
+    assert converged.carry_run(str(save), str(tmp_path / "carried"), part_bytes) == 20
+    carried = sorted(os.listdir(tmp_path / "carried"))
+    last_parts = [name for name in carried if name.startswith("checkpoint_last.pt.part")]
+    assert len(last_parts) == -(-(save / "checkpoint_last.pt").stat().st_size // part_bytes) > 1
+    assert all((tmp_path / "carried" / name).stat().st_size <= part_bytes for name in carried)
+    assert [name for name in carried if not name.startswith("checkpoint_")] == ["train.1.log"]
+    converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
+    assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
+    best = torch.load(tmp_path / "restored" / "checkpoint_best.pt", weights_only=False)
     assert best["last_optimizer_state"] is None and best["model"]["w"][0] == 10
-    last = torch.load(tmp_path / "carried" / "checkpoint_last.pt", weights_only=False)
-    assert last["last_optimizer_state"] is not None and last["model"]["w"][0] == 20
+    assert (tmp_path / "restored" / "checkpoint_last.pt").read_bytes() == (save / "checkpoint_last.pt").read_bytes()
 
     checkpoint(save / "checkpoint_best.pt", 20)  # the best is the last: carried once
     converged.carry_run(str(save), str(tmp_path / "carried"))  # (over the earlier carry)
-    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_last.pt", "train.1.log"]
+    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_last.pt.part000", "train.1.log"]
     converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
     assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
     assert (tmp_path / "restored" / "checkpoint_best.pt").read_bytes() == (save / "checkpoint_last.pt").read_bytes()
