@@ -79,7 +79,8 @@ run in flight in the workdir beside the ledger (``LEDGER.carried/FOLDER/``: its 
 the schedule's and the data iterator's state, its best checkpoint without the optimizer state unless it is the last,
 its logs: a checkpoint and a third at most, each checkpoint in parts no git host refuses), and ``run`` in any
 workdir continues such a run from there as if it had not stopped, and removes it once the run is recorded (the
-row's ``train_s_starts`` has a start per machine). Each carry adds a checkpoint's bytes to the repository's history: for runs that no single machine can finish.
+row's ``train_s_starts`` has a start per machine). Each carry adds a checkpoint's bytes to the repository's
+history: for runs that no single machine can finish.
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir, or from its copy
 kept beside the ledger (``LEDGER.starts/KEY.pt``, without the optimizer state that a fine-tuning resets: a third
@@ -349,16 +350,15 @@ CARRY_PART_BYTES = 40 * 2**20
 PART = re.compile(r"^(?P<name>.+)\.part(?P<index>\d{3})$")
 
 
-def split_into_parts(path: str, part_bytes: int) -> None:
-    """File ``path`` replaced by ``PATH.part000``, ``PATH.part001``, ... of at most ``part_bytes`` each."""
-    with open(path, "rb") as f:
+def copy_in_parts(src: str, dest: str, part_bytes: int) -> None:
+    """File ``src`` copied to ``DEST.part000``, ``DEST.part001``, ... of at most ``part_bytes`` each."""
+    with open(src, "rb") as f:
         for index in itertools.count():
             chunk = f.read(part_bytes)
             if not chunk and index:
                 break
-            with open(f"{path}.part{index:03d}", "wb") as part:
+            with open(f"{dest}.part{index:03d}", "wb") as part:
                 part.write(chunk)
-    os.remove(path)
 
 
 def train_logs(save: str) -> List[str]:
@@ -370,19 +370,20 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES) -> int:
     """The run in flight in checkpoint folder ``save``, copied to ``dest``: its ``checkpoint_last.pt`` whole (the
     optimizer's, the schedule's and the data iterator's state with the weights: ``run`` continues it as if it had
     not stopped), its ``checkpoint_best.pt`` without the optimizer state (all that scoring reads) unless it is the
-    same save as the last, both in parts of at most ``part_bytes`` (:func:`split_into_parts`), and its train logs
+    same save as the last, both in parts of at most ``part_bytes`` (:func:`copy_in_parts`), and its train logs
     (the row's curve and times). Written beside ``dest`` and then moved into place, so that a carry cut short
     leaves the previous one. Returns the updates it was carried at."""
     updates = checkpoint_updates(os.path.join(save, LAST))
     partial = dest + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    shutil.copyfile(os.path.join(save, LAST), os.path.join(partial, LAST))
-    split_into_parts(os.path.join(partial, LAST), part_bytes)
+    copy_in_parts(os.path.join(save, LAST), os.path.join(partial, LAST), part_bytes)
     best = os.path.join(save, BEST_CHECKPOINT)
     if os.path.exists(best) and checkpoint_updates(best) != updates:
-        keep_start(best, os.path.join(partial, BEST_CHECKPOINT))
-        split_into_parts(os.path.join(partial, BEST_CHECKPOINT), part_bytes)
+        stripped = os.path.join(partial, BEST_CHECKPOINT)
+        keep_start(best, stripped)
+        copy_in_parts(stripped, stripped, part_bytes)
+        os.remove(stripped)
     for log in train_logs(save):
         shutil.copyfile(os.path.join(save, log), os.path.join(partial, log))
     shutil.rmtree(dest, ignore_errors=True)
@@ -394,13 +395,15 @@ def restore_carried(carried: str, save: str) -> None:
     """A run carried by :func:`carry_run` put back into its checkpoint folder ``save``, each checkpoint joined from
     its parts (its best checkpoint: the last one when it was the same save)."""
     os.makedirs(save, exist_ok=True)
+    restored = set()
     for name in sorted(os.listdir(carried)):  # a checkpoint's parts in order, the first one starting its file
         part = PART.match(name)
-        target = os.path.join(save, part["name"] if part else name)
+        target = part["name"] if part else name
         mode = "ab" if part and int(part["index"]) > 0 else "wb"
-        with open(os.path.join(carried, name), "rb") as src, open(target, mode) as out:
+        with open(os.path.join(carried, name), "rb") as src, open(os.path.join(save, target), mode) as out:
             shutil.copyfileobj(src, out)
-    if not any(name.startswith(BEST_CHECKPOINT) for name in os.listdir(carried)):
+        restored.add(target)
+    if BEST_CHECKPOINT not in restored:
         shutil.copyfile(os.path.join(save, LAST), os.path.join(save, BEST_CHECKPOINT))
 
 
