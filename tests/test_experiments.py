@@ -611,7 +611,7 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     shutil.rmtree(tmp_path / "ledger.starts")
     said = script(CONVERGED, "carry", *common)
     assert f"{key}: carried at update" in said and "1 run(s) in flight carried" in said
-    assert sorted(os.listdir(carried))[0] == "checkpoint_last.pt.part000" and len(os.listdir(carried)) == 2  # and log
+    assert sorted(os.listdir(carried))[0] == "checkpoint_last.pt.planes.zlib.part000" and len(os.listdir(carried)) == 2
     shutil.rmtree(tmp_path / "work" / "checkpoints")  # another machine (the prepared data kept: no need to redo it)
 
     out = script(CONVERGED, "run", *common, "--extra-args", TINY_RNNSEARCH, timeout=900)
@@ -624,30 +624,51 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     assert "0 run(s) in flight carried" in script(CONVERGED, "carry", *common)
 
 
-def test_a_carried_run_keeps_its_best_checkpoint_without_the_optimizer_state(tmp_path):
-    """carry_run / restore_carried: the last checkpoint whole; the best one without the optimizer state when it is
-    an earlier save, not carried when it is the last one's (restored as a copy of it); the logs; each checkpoint in
-    parts of at most the bytes asked for, joined back to the same bytes."""
+def test_a_carried_checkpoint_is_packed_losslessly_and_smaller_than_deflated_as_it_is(tmp_path):
+    """pack / unpack: the same bytes back, whatever the length's remainder by the word; a torch checkpoint of float32
+    tensors packs smaller than the file deflated as it is (what git would store)."""
+    import zlib
+
     import torch
 
     converged = load("multi30k_converged_driver", CONVERGED)
+    for data in (b"", b"abc", bytes(range(256)) * 3 + b"xy"):
+        assert converged.unpack(converged.pack(data)) == data
+    generator = torch.Generator().manual_seed(0)
+    torch.save({"model": {"w": torch.randn(64, 1024, generator=generator) * 0.05}}, tmp_path / "c.pt")
+    data = (tmp_path / "c.pt").read_bytes()
+    packed = converged.pack(data)
+    assert converged.unpack(packed) == data and len(packed) < 0.95 * len(zlib.compress(data, 9))
 
-    def checkpoint(path, updates):
-        torch.save({"model": {"w": torch.full((3,), float(updates))}, "optimizer_history": [{"num_updates": updates}],
-                    "last_optimizer_state": {"state": {0: {"exp_avg": torch.ones(3)}}}}, path)
 
+def carried_checkpoint(path, updates):
+    """A stand-in fairseq checkpoint saved at ``updates``, with an optimizer state."""
+    import torch
+
+    torch.save({"model": {"w": torch.full((3,), float(updates))}, "optimizer_history": [{"num_updates": updates}],
+                "last_optimizer_state": {"state": {0: {"exp_avg": torch.ones(3)}}}}, path)
+
+
+def test_a_carried_run_keeps_its_last_checkpoint_and_its_best_as_weights_or_as_scores(tmp_path):
+    """carry_run / restore_carried: the last checkpoint packed, in parts of at most the bytes asked for, joined and
+    unpacked to the same bytes; the logs; an earlier best checkpoint without the optimizer state (a pre-training's,
+    no ``score_best``) or scored in its place (``score_best``: no best checkpoint restored, the scores are, and a second
+    carry keeps them); a best that is the last carried once (restored as a copy of it); an earlier version's carry
+    (plain parts) restored too."""
+    import torch
+
+    converged = load("multi30k_converged_driver", CONVERGED)
     save = tmp_path / "run"
     save.mkdir()
-    checkpoint(save / "checkpoint_last.pt", 20)
-    checkpoint(save / "checkpoint_best.pt", 10)
+    carried_checkpoint(save / "checkpoint_last.pt", 20)
+    carried_checkpoint(save / "checkpoint_best.pt", 10)
     (save / "train.1.log").write_text("first start\n")
     (save / "checkpoint_other.pt").write_text("not carried")
-    part_bytes = 400
+    part_bytes = 200
     assert converged.carry_run(str(save), str(tmp_path / "carried"), part_bytes) == 20
     carried = sorted(os.listdir(tmp_path / "carried"))
-    last_parts = [name for name in carried if name.startswith("checkpoint_last.pt.part")]
-    assert len(last_parts) == -(-(save / "checkpoint_last.pt").stat().st_size // part_bytes) > 1
-    assert all((tmp_path / "carried" / name).stat().st_size <= part_bytes for name in carried)
+    last_parts = [name for name in carried if name.startswith("checkpoint_last.pt.planes.zlib.part")]
+    assert len(last_parts) > 1 and all((tmp_path / "carried" / name).stat().st_size <= part_bytes for name in carried)
     assert [name for name in carried if not name.startswith("checkpoint_")] == ["train.1.log"]
     converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
     assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
@@ -655,12 +676,95 @@ def test_a_carried_run_keeps_its_best_checkpoint_without_the_optimizer_state(tmp
     assert best["last_optimizer_state"] is None and best["model"]["w"][0] == 10
     assert (tmp_path / "restored" / "checkpoint_last.pt").read_bytes() == (save / "checkpoint_last.pt").read_bytes()
 
-    checkpoint(save / "checkpoint_best.pt", 20)  # the best is the last: carried once
-    converged.carry_run(str(save), str(tmp_path / "carried"))  # (over the earlier carry)
-    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_last.pt.part000", "train.1.log"]
+    def score_best(checkpoint, out):  # what Study.score leaves: scores.json and the hypotheses
+        os.makedirs(out)
+        (tmp_path / "scored_from").write_text(checkpoint)
+        with open(os.path.join(out, "scores.json"), "w") as f:
+            json.dump({"updates": 10, "bleu": {"valid": 1.5, "test": 2.5}, "blind": {}}, f)
+
+    shutil.rmtree(tmp_path / "restored")
+    converged.carry_run(str(save), str(tmp_path / "carried"), score_best=score_best)  # (over the earlier carry)
+    assert (tmp_path / "scored_from").read_text() == str(save / "checkpoint_best.pt")
+    assert not [name for name in os.listdir(tmp_path / "carried") if name.startswith("checkpoint_best")]
+    converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
+    assert sorted(os.listdir(tmp_path / "restored")) == ["best_scored", "checkpoint_last.pt", "train.1.log"]
+    converged.carry_run(str(tmp_path / "restored"), str(tmp_path / "carried_again"), score_best=None)
+    assert json.loads((tmp_path / "carried_again" / "best_scored" / "scores.json").read_text())["updates"] == 10
+
+    carried_checkpoint(save / "checkpoint_best.pt", 20)  # the best is the last: carried once
+    converged.carry_run(str(save), str(tmp_path / "carried"))
+    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_last.pt.planes.zlib.part000", "train.1.log"]
+    shutil.rmtree(tmp_path / "restored")
     converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
     assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
     assert (tmp_path / "restored" / "checkpoint_best.pt").read_bytes() == (save / "checkpoint_last.pt").read_bytes()
+
+    earlier = tmp_path / "earlier"  # plain parts, as an earlier version carried them
+    earlier.mkdir()
+    data = (save / "checkpoint_last.pt").read_bytes()
+    (earlier / "checkpoint_last.pt.part000").write_bytes(data[:300])
+    (earlier / "checkpoint_last.pt.part001").write_bytes(data[300:])
+    converged.restore_carried(str(earlier), str(tmp_path / "from_earlier"))
+    assert (tmp_path / "from_earlier" / "checkpoint_last.pt").read_bytes() == data
+
+
+def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_path, monkeypatch):
+    """Study.train on a run restored with its best checkpoint scored in its place (carry_run's ``score_best``): when
+    the continued run gains nothing (no checkpoint_best.pt written), the row's BLEU, its scored update and the kept
+    hypotheses and blind translations are the carried ones; when it gains, its new best checkpoint is scored."""
+    import types
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    data = tmp_path / "data"
+    (data / "ref").mkdir(parents=True)
+    (data / "ref" / "valid.fr").write_text("ref\n")
+    (data / "ref" / "valid.en").write_text("src\n")
+    ledger = tmp_path / "ledger.jsonl"
+    args = types.SimpleNamespace(ledger=str(ledger), workdir=str(tmp_path / "work"), prepared=str(data),
+                                 data=str(data), blind=None, extra_args="", verbose=False)
+    study = converged.Study(args)
+    study.blind, study.data_fingerprint = {"set1": "set1.en"}, "0" * 16
+    key = "tune.soft_beam_paper.lr0.0005.seed1"
+    save = tmp_path / "work" / "checkpoints" / key
+    scored = save / "best_scored"
+    (scored / "blind").mkdir(parents=True)
+    for subset, text in (("valid", "carried valid\n"), ("test", "carried test\n")):
+        (scored / f"{subset}.beam5.fr").write_text(text)
+    (scored / "blind" / "set1.fr").write_text("carried blind\n")
+    (scored / "scores.json").write_text(json.dumps({"updates": 10, "bleu": {"valid": 51.5, "test": 52.5},
+                                                    "blind": {"set1": "blind/set1.fr"}}))
+    carried_checkpoint(save / "checkpoint_last.pt", 20)
+    (save / "train.1.log").write_text("2026-01-01 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 51.5 "
+                                      "| num_updates 10\nSaved checkpoint checkpoint_best.pt (epoch 1 @ 10 updates\n"
+                                      "2026-01-01 00:01:00 | INFO | valid on 'valid' subset | epoch 002 | bleu 51 "
+                                      "| num_updates 20\nSaved checkpoint checkpoint_last.pt (epoch 2 @ 20 updates\n")
+
+    def fairseq_train(cmd, log, env=None, echo=False, gain=False):  # the continued run's third epoch
+        with open(log, "w") as f:
+            f.write(f"2026-01-01 00:02:00 | INFO | valid on 'valid' subset | epoch 003 | bleu {52 if gain else 50} "
+                    "| num_updates 30\nSaved checkpoint checkpoint_last.pt (epoch 3 @ 30 updates\n"
+                    "early stop since valid performance hasn't improved\n")
+        carried_checkpoint(save / "checkpoint_last.pt", 30)
+        if gain:
+            carried_checkpoint(save / "checkpoint_best.pt", 30)
+        return ""
+
+    monkeypatch.setattr(converged, "run_logged", fairseq_train)
+    row = study.train(key, "tune", "rnnsearch", "soft_beam_paper", 1, [])
+    assert row["bleu"] == {"valid": 51.5, "test": 52.5} and row["scored_updates"] == 10 and row["best_updates"] == 10
+    hyps = tmp_path / "ledger.hyps" / f"{key}.test.fr.gz"
+    assert gzip.open(hyps, "rt").read() == "carried test\n"
+    assert gzip.open(tmp_path / "ledger.blind" / f"{key}.set1.fr.gz", "rt").read() == "carried blind\n"
+
+    ledger.write_text("")
+    (save / "ledger_key").unlink()
+    scoring = []
+    monkeypatch.setattr(converged, "run_logged", lambda *a, **k: fairseq_train(*a, **k, gain=True))
+    monkeypatch.setattr(study, "score", lambda checkpoint, out: scoring.append(checkpoint) or
+                        {"updates": 30, "bleu": {"valid": 52.0, "test": 53.0}, "blind": {}})
+    monkeypatch.setattr(converged, "keep_hypotheses", lambda *a: None)
+    row = study.train(key, "tune", "rnnsearch", "soft_beam_paper", 1, [])
+    assert scoring == [str(save / "checkpoint_best.pt")] and row["bleu"]["test"] == 53.0 and row["scored_updates"] == 30
 
 
 @pytest.mark.slow
@@ -915,7 +1019,8 @@ def test_converged_report_reports_the_fine_tunings_to_convergence_at_the_chosen_
     """The report's ``tune`` section from a ledger alone: the rate line (the control's val BLEU at each rate on its
     seed), the arms at the chosen rate only (the control's run at the other rate left out), the soft arms against
     the control with per-seed and pooled tests, the answer naming how many runs are in, and the learning-curve
-    figure (one panel per arm)."""
+    figure (one panel per arm); each seed's own tests of both fine-tuning studies, which hold the same comparison,
+    side by side; an arm with one seed has no t-test, said so."""
     import random
 
     converged = load("multi30k_converged_driver", CONVERGED)
@@ -948,8 +1053,11 @@ def test_converged_report_reports_the_fine_tunings_to_convergence_at_the_chosen_
     row("tune.tf.lr0.0005.seed1", "tune", "tf", 1, 42.0, lr=5e-4, start="pretrain.rnnsearch.seed1")
     for seed in (1, 2):
         for method in ("soft_beam_paper", "soft_beam_rho05") + (("tf",) if seed == 2 else ()):
-            row(f"tune.{method}.lr0.0005.seed{seed}", "tune", method, seed, 41.5, lr=5e-4,
-                start=f"pretrain.rnnsearch.seed{seed}")
+            if (method, seed) != ("soft_beam_rho05", 2):
+                row(f"tune.{method}.lr0.0005.seed{seed}", "tune", method, seed, 41.5, lr=5e-4,
+                    start=f"pretrain.rnnsearch.seed{seed}")
+        for method in ("tf", "soft_beam_paper"):  # the 278-update study: the same comparison as the one above
+            row(f"finetune.{method}.seed{seed}", "finetune", method, seed, 40.5)
     page_path, plot_path = tmp_path / "page.md", tmp_path / "fig" / "bleu.png"
     plot_path.parent.mkdir()
     converged.main(["report", "--pair", str(ledger), str(data), "--out", str(page_path), "--plot", str(plot_path)])
@@ -962,6 +1070,14 @@ def test_converged_report_reports_the_fine_tunings_to_convergence_at_the_chosen_
     for system in ("soft beam search (paper's setting)", "soft beam search, rho 0.5"):
         assert re.search(rf"\| {re.escape(system)} - continued teacher forcing \| en-fr \| val \| s1 [-+]\d", tune)
     assert "(runs in the ledger: continued teacher forcing 2 of 3, soft beam search (paper's setting) 2 of 3, " \
-           "soft beam search, rho 0.5 2 of 3)" in page
+           "soft beam search, rho 0.5 1 of 3)" in page
+    answer = next(line for line in page.splitlines() if line.startswith("- **Training through beam search, fine-tuned"))
+    assert re.search(r"soft beam search \(paper's setting\) against .* t-test over seeds p \d", answer), answer
+    assert "no t-test over seeds (one seed)" in answer and "t-test over seeds p -" not in answer
+    per_seed = page[page.index("## Each seed's own tests"):page.index("## How these were obtained")]
+    for study in ("fine-tuning, 278 updates", "fine-tuning to convergence"):
+        for seed in (1, 2):
+            assert re.search(rf"\| {study} \| soft beam search \(paper's setting\) - continued teacher forcing \| "
+                             rf"en-fr \| test \| {seed} \|", per_seed), (study, seed)
     assert (plot_path.parent / "multi30k_beam_training_curves.png").exists()
     assert "](fig/multi30k_beam_training_curves.png)" in tune

@@ -76,11 +76,13 @@ exact extra arguments, the pair and the prepared data's fingerprint.
 
 A run longer than the machine it trains on is carried to the next: ``carry`` (the runs stopped first) keeps every
 run in flight in the workdir beside the ledger (``LEDGER.carried/FOLDER/``: its last checkpoint with the optimizer's,
-the schedule's and the data iterator's state, its best checkpoint without the optimizer state unless it is the last,
-its logs: a checkpoint and a third at most, each checkpoint in parts no git host refuses), and ``run`` in any
-workdir continues such a run from there as if it had not stopped, and removes it once the run is recorded (the
-row's ``train_s_starts`` has a start per machine). Each carry adds a checkpoint's bytes to the repository's
-history: for runs that no single machine can finish.
+the schedule's and the data iterator's state, packed losslessly and in parts no git host refuses; its logs; and when
+its best checkpoint is an earlier save, that checkpoint scored -- val and test hypotheses, BLEU, blind translations --
+in its place, or for a pre-training, whose best the fine-tunings start from, its weights without the optimizer
+state), and ``run`` in any workdir continues such a run from there as if it had not stopped, and removes it once the
+run is recorded (the row's ``train_s_starts`` has a start per machine). Each carry adds a checkpoint's packed bytes to
+the repository's history, and its removal as many again to that submission's diff: for runs that no single machine
+can finish.
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir, or from its copy
 kept beside the ledger (``LEDGER.starts/KEY.pt``, without the optimizer state that a fine-tuning resets: a third
@@ -107,6 +109,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -344,21 +347,40 @@ def carried_dir(ledger: str) -> str:
 
 
 LAST, BEST_CHECKPOINT = "checkpoint_last.pt", "checkpoint_best.pt"
-# The largest file a carry writes: a checkpoint with its optimizer state (three times the weights' bytes) is kept
-# as numbered parts, so that no file in the repository's history is larger than git hosts take in one file.
+# The largest file a carry writes: a checkpoint with its optimizer state is kept as numbered parts, so that no file
+# in the repository's history is larger than git hosts take in one file.
 CARRY_PART_BYTES = 40 * 2**20
 PART = re.compile(r"^(?P<name>.+)\.part(?P<index>\d{3})$")
+# A carried checkpoint is packed: its bytes regrouped into four planes (byte 0 of every 4-byte word, then byte 1,
+# ...) and deflated. A checkpoint is float32 tensors at 4-byte-aligned offsets (torch aligns each storage in its zip),
+# whose sign-and-exponent bytes deflate well once they sit together, unlike the mantissas they alternate with in the
+# file as it is. Lossless: unpacked, it is the same bytes.
+PACKED = ".planes.zlib"
+WORD = 4
 
 
-def copy_in_parts(src: str, dest: str, part_bytes: int) -> None:
-    """File ``src`` copied to ``DEST.part000``, ``DEST.part001``, ... of at most ``part_bytes`` each."""
-    with open(src, "rb") as f:
-        for index in itertools.count():
-            chunk = f.read(part_bytes)
-            if not chunk and index:
-                break
-            with open(f"{dest}.part{index:03d}", "wb") as part:
-                part.write(chunk)
+def pack(data: bytes) -> bytes:
+    """``data`` regrouped into :data:`WORD` byte planes (its tail past the last whole word kept last) and deflated."""
+    whole = len(data) - len(data) % WORD
+    return zlib.compress(b"".join(data[i:whole:WORD] for i in range(WORD)) + data[whole:], 9)
+
+
+def unpack(packed: bytes) -> bytes:
+    """The bytes that :func:`pack` packed."""
+    planes = zlib.decompress(packed)
+    whole = len(planes) - len(planes) % WORD
+    data = bytearray(len(planes))
+    for i in range(WORD):
+        data[i:whole:WORD] = planes[i * whole // WORD:(i + 1) * whole // WORD]
+    data[whole:] = planes[whole:]
+    return bytes(data)
+
+
+def write_in_parts(data: bytes, dest: str, part_bytes: int) -> None:
+    """``data`` written to ``DEST.part000``, ``DEST.part001``, ... of at most ``part_bytes`` each."""
+    for index in range(max(1, -(-len(data) // part_bytes))):
+        with open(f"{dest}.part{index:03d}", "wb") as part:
+            part.write(data[index * part_bytes:(index + 1) * part_bytes])
 
 
 def train_logs(save: str) -> List[str]:
@@ -366,24 +388,38 @@ def train_logs(save: str) -> List[str]:
     return sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
 
 
-def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES) -> int:
-    """The run in flight in checkpoint folder ``save``, copied to ``dest``: its ``checkpoint_last.pt`` whole (the
+# The scores of a run's best checkpoint, when the run is carried without it (``carry_run``): a folder in the checkpoint
+# folder with scores.json (the checkpoint's updates and BLEU) and the hypotheses that scoring writes (``Study.score``).
+SCORED_BEST = "best_scored"
+
+
+def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_best=None) -> int:
+    """The run in flight in checkpoint folder ``save``, copied to ``dest``: its ``checkpoint_last.pt`` (the
     optimizer's, the schedule's and the data iterator's state with the weights: ``run`` continues it as if it had
-    not stopped), its ``checkpoint_best.pt`` without the optimizer state (all that scoring reads) unless it is the
-    same save as the last, both in parts of at most ``part_bytes`` (:func:`copy_in_parts`), and its train logs
-    (the row's curve and times). Written beside ``dest`` and then moved into place, so that a carry cut short
-    leaves the previous one. Returns the updates it was carried at."""
+    not stopped) packed (:func:`pack`) in parts of at most ``part_bytes``, and its train logs (the row's curve and
+    times). Its best checkpoint, when it is an earlier save than the last, is carried as what the run's record reads
+    of it: ``score_best(checkpoint, folder)`` scores it into ``dest/best_scored`` (:data:`SCORED_BEST`); with
+    ``score_best`` None (a pre-training: the fine-tunings start from its weights), its weights without the optimizer
+    state, packed. A run carried before keeps the scores it carried. Written beside ``dest`` and then moved into
+    place, so that a carry cut short leaves the previous one. Returns the updates it was carried at."""
     updates = checkpoint_updates(os.path.join(save, LAST))
     partial = dest + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    copy_in_parts(os.path.join(save, LAST), os.path.join(partial, LAST), part_bytes)
+    with open(os.path.join(save, LAST), "rb") as f:
+        write_in_parts(pack(f.read()), os.path.join(partial, LAST + PACKED), part_bytes)
     best = os.path.join(save, BEST_CHECKPOINT)
     if os.path.exists(best) and checkpoint_updates(best) != updates:
-        stripped = os.path.join(partial, BEST_CHECKPOINT)
-        keep_start(best, stripped)
-        copy_in_parts(stripped, stripped, part_bytes)
-        os.remove(stripped)
+        if score_best is not None:
+            score_best(best, os.path.join(partial, SCORED_BEST))
+        else:
+            stripped = os.path.join(partial, BEST_CHECKPOINT)
+            keep_start(best, stripped)
+            with open(stripped, "rb") as f:
+                write_in_parts(pack(f.read()), stripped + PACKED, part_bytes)
+            os.remove(stripped)
+    elif not os.path.exists(best) and os.path.isdir(os.path.join(save, SCORED_BEST)):
+        shutil.copytree(os.path.join(save, SCORED_BEST), os.path.join(partial, SCORED_BEST))
     for log in train_logs(save):
         shutil.copyfile(os.path.join(save, log), os.path.join(partial, log))
     shutil.rmtree(dest, ignore_errors=True)
@@ -392,18 +428,27 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES) -> int:
 
 
 def restore_carried(carried: str, save: str) -> None:
-    """A run carried by :func:`carry_run` put back into its checkpoint folder ``save``, each checkpoint joined from
-    its parts (its best checkpoint: the last one when it was the same save)."""
+    """A run carried by :func:`carry_run` put back into its checkpoint folder ``save``: each checkpoint joined from
+    its parts and unpacked, its best checkpoint a copy of the last when it was the same save, or the scores carried
+    in its place."""
     os.makedirs(save, exist_ok=True)
-    restored = set()
-    for name in sorted(os.listdir(carried)):  # a checkpoint's parts in order, the first one starting its file
+    parts: Dict[str, List[str]] = {}
+    for name in sorted(os.listdir(carried)):  # a checkpoint's parts in order
         part = PART.match(name)
-        target = part["name"] if part else name
-        mode = "ab" if part and int(part["index"]) > 0 else "wb"
-        with open(os.path.join(carried, name), "rb") as src, open(os.path.join(save, target), mode) as out:
-            shutil.copyfileobj(src, out)
-        restored.add(target)
-    if BEST_CHECKPOINT not in restored:
+        if part:
+            parts.setdefault(part["name"], []).append(name)
+        elif name == SCORED_BEST:
+            shutil.copytree(os.path.join(carried, name), os.path.join(save, name), dirs_exist_ok=True)
+        else:
+            shutil.copyfile(os.path.join(carried, name), os.path.join(save, name))
+    for stored, names in parts.items():
+        data = b"".join(open(os.path.join(carried, name), "rb").read() for name in names)
+        packed = stored.endswith(PACKED)  # (a carry of an earlier version kept its checkpoints as they are)
+        target = os.path.join(save, stored[:-len(PACKED)] if packed else stored)
+        with open(target + ".tmp", "wb") as out:
+            out.write(unpack(data) if packed else data)
+        os.replace(target + ".tmp", target)
+    if not {BEST_CHECKPOINT, BEST_CHECKPOINT + PACKED} & set(parts) and SCORED_BEST not in os.listdir(carried):
         shutil.copyfile(os.path.join(save, LAST), os.path.join(save, BEST_CHECKPOINT))
 
 
@@ -573,10 +618,23 @@ class Study:
         with open(record, "w", encoding="utf-8") as f:
             json.dump(inputs, f, indent=1, sort_keys=True)
 
-    def keep_blind(self, key: str, checkpoint: str, out: str) -> None:
-        """A final model's translations of the blind sets, gzipped beside the ledger as ``KEY.NAME.TGT.gz``."""
-        for name, path in translate_blind(self.data, checkpoint, list(self.blind), os.path.join(out, "blind")).items():
+    def keep_blind(self, key: str, translations: Dict[str, str]) -> None:
+        """A final model's translations of the blind sets (by name, :func:`translate_blind`), gzipped beside the
+        ledger as ``KEY.NAME.TGT.gz``."""
+        for name, path in translations.items():
             gzip_file(path, os.path.join(blind_dir(self.ledger), f"{key}.{name}.{self.tgt}.gz"))
+
+    def score(self, checkpoint: str, out: str) -> dict:
+        """What a run's record reads of its best checkpoint, made in folder ``out``: the hypotheses and BLEU of
+        :func:`evaluate`, the blind sets' translations (:func:`translate_blind`), and ``out/scores.json`` (the
+        checkpoint's updates, its BLEU, the translations' paths relative to ``out``), which it returns."""
+        os.makedirs(out, exist_ok=True)
+        blind = translate_blind(self.data, checkpoint, list(self.blind), os.path.join(out, "blind"))
+        scores = {"updates": checkpoint_updates(checkpoint), "bleu": evaluate(self.data, checkpoint, out),
+                  "blind": {name: os.path.relpath(path, out) for name, path in blind.items()}}
+        with open(os.path.join(out, "scores.json"), "w", encoding="utf-8") as f:
+            json.dump(scores, f, indent=1, sort_keys=True)
+        return scores
     def check_ledger(self) -> None:
         """The ledger's runs were trained on this workdir's prepared data (rows record ``data_fingerprint``): one
         ledger, one data set. Rows without it are not checked: rows of versions before the fingerprint, and rows
@@ -637,7 +695,15 @@ class Study:
         logs = [TrainLog(os.path.join(save, f)) for f in train_logs(save)]
         curve = [p for t in logs for p in t.curve]
         best = best_validation(curve)
-        scored = checkpoint_updates(os.path.join(save, "checkpoint_best.pt"))
+        # the best checkpoint scored; a run carried without it (carry_run) has the scores it carried instead
+        scored_dir = os.path.join(save, SCORED_BEST)
+        if os.path.exists(os.path.join(save, BEST_CHECKPOINT)):
+            scores = self.score(os.path.join(save, BEST_CHECKPOINT), scored_dir)
+        else:
+            with open(os.path.join(scored_dir, "scores.json"), encoding="utf-8") as f:
+                scores = json.load(f)
+            print(f"{key}: scored at update {scores['updates']} before it was carried (no later gain)", flush=True)
+        scored = scores["updates"]
         # checkpoint_best is the best of the *saved* checkpoints: the selection rule holds when every validation
         # was saved (said loudly, and kept in the row, when not)
         saved = {u for t in logs for u in t.saved}
@@ -656,10 +722,9 @@ class Study:
                # is kept beside this one's); "train_s_starts": every start's first-to-last log line, pauses included
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
                "train_s_starts": [round(t.seconds, 1) for t in logs],
-               "bleu": evaluate(self.data, os.path.join(save, "checkpoint_best.pt"), save),
-               "extra": extra + shlex.split(self.args.extra_args)}
-        keep_hypotheses(self.ledger, key, save, self.tgt)
-        self.keep_blind(key, os.path.join(save, "checkpoint_best.pt"), save)
+               "bleu": scores["bleu"], "extra": extra + shlex.split(self.args.extra_args)}
+        keep_hypotheses(self.ledger, key, scored_dir, self.tgt)
+        self.keep_blind(key, {name: os.path.join(scored_dir, path) for name, path in scores["blind"].items()})
         if stage in ("pretrain", "rerun"):
             keep_start(os.path.join(save, "checkpoint_best.pt"), os.path.join(starts_dir(self.ledger), f"{key}.pt"))
         self.record(row)
@@ -836,7 +901,8 @@ class Study:
                 missing.append(key)
                 continue
             print(f"{key}: translating the blind sets", flush=True)
-            self.keep_blind(key, os.path.join(save, "checkpoint_best.pt"), save)
+            self.keep_blind(key, translate_blind(self.data, os.path.join(save, "checkpoint_best.pt"),
+                                                 list(self.blind), os.path.join(save, "blind")))
         if missing:
             print(f"no checkpoint in {self.args.workdir} (no blind translations): {', '.join(missing)}", flush=True)
 
@@ -846,12 +912,21 @@ class Study:
         ``run`` on another machine to continue it from its last epoch. Stop the runs first: a checkpoint being
         written is not one to copy."""
         root = os.path.join(self.args.workdir, "checkpoints")
+        self.prepare_blind()
         carried = 0
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             save = os.path.join(root, name)
             if recorded_as(save) is None and os.path.exists(os.path.join(save, LAST)):
-                updates = carry_run(save, os.path.join(carried_dir(self.ledger), name))
-                print(f"{name}: carried at update {updates} into {carried_dir(self.ledger)}/{name}", flush=True)
+                # a pre-training's best checkpoint is where the fine-tunings start: its weights are carried; any
+                # other run's, only what its record reads of it
+                starts_others = name.startswith("pretrain.")
+                if not starts_others and not self.blind:
+                    print(f"{name}: WARNING no --blind: its best checkpoint is carried scored without the blind "
+                          "sets' translations", flush=True)
+                dest = os.path.join(carried_dir(self.ledger), name)
+                updates = carry_run(save, dest, score_best=None if starts_others else self.score)
+                size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(dest) for f in files)
+                print(f"{name}: carried at update {updates} into {dest} ({size / 2**20:.1f} MiB)", flush=True)
                 carried += 1
         print(f"{carried} run(s) in flight carried" + ("" if carried else f" (none in {root})"), flush=True)
 
