@@ -624,6 +624,29 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     assert "0 run(s) in flight carried" in script(CONVERGED, "carry", *common)
 
 
+def test_the_studys_background_script_runs_the_driver_on_the_pairs_paths_and_carries(tmp_path):
+    """background.sh: ``start`` runs the driver's ``run`` from the snapshot on the pair's data, blind sources and
+    ledger, resumable (--retrain-missing) and niced; ``carry`` with nothing running runs the driver's ``carry`` on the
+    same paths; a verb it does not know is refused."""
+    background = os.path.join(EXPERIMENTS, "multi30k_converged", "background.sh")
+    shared = tmp_path / "shared"
+    (shared / "data" / "blind").mkdir(parents=True)
+    toy_raw_data(shared / "data" / "multi30k_en_de")
+    env = dict(os.environ, SOFTTOPK_SHARED=str(shared), PAIR="de", SEEDS="2", BACKGROUND_DRY_RUN="1")
+    run = lambda *args: subprocess.run(["bash", background, *args], capture_output=True, text=True, env=env,
+                                       timeout=300)
+    started = run("start", str(tmp_path / "work"))
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.startswith("nice -n 19 ") and (
+        f"{tmp_path}/work/code/experiments/multi30k_converged/driver.py run --data {shared}/data/multi30k_en_de "
+        f"--blind {shared}/data/blind --workdir {tmp_path}/work/en_de --ledger "
+        f"{REPO}/experiments/multi30k_converged/en_de.jsonl --stages tune --retrain-missing --seeds 2") \
+        in started.stdout, started.stdout
+    carried = run("carry", str(tmp_path / "work"))
+    assert carried.returncode == 0 and "0 run(s) in flight carried" in carried.stdout, carried.stderr[-2000:]
+    assert run("bogus").returncode == 2
+
+
 def test_a_carried_checkpoint_is_packed_losslessly_and_smaller_than_deflated_as_it_is(tmp_path):
     """pack / unpack: the same bytes back, whatever the length's remainder by the word; a torch checkpoint of float32
     tensors packs smaller than the file deflated as it is (what git would store)."""

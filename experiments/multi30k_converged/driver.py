@@ -82,7 +82,8 @@ in its place, or for a pre-training, whose best the fine-tunings start from, its
 state), and ``run`` in any workdir continues such a run from there as if it had not stopped, and removes it once the
 run is recorded (the row's ``train_s_starts`` has a start per machine). Each carry adds a checkpoint's packed bytes to
 the repository's history, and its removal as many again to that submission's diff: for runs that no single machine
-can finish.
+can finish. ``background.sh`` runs the study this way on one machine: ``start`` (niced, from a snapshot of the
+committed code, continuing whatever was stopped or carried), ``pause``/``resume``, and ``carry`` (stop, then carry).
 
 Fine-tuning and pruning start from the pre-training's ``checkpoint_best.pt`` in the workdir, or from its copy
 kept beside the ledger (``LEDGER.starts/KEY.pt``, without the optimizer state that a fine-tuning resets: a third
