@@ -549,7 +549,7 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
     assert set(rows[0]["bleu"]) == {"valid", "test"} and rows[0]["epochs"] == 1 and rows[0]["converged"] is False
     for subset in ("valid", "test"):
         assert lines_of_gzip(tmp_path / "ledger.hyps" / f"{key}.{subset}.fr.gz") == \
-            (tmp_path / "work" / "checkpoints" / key / f"{subset}.beam5.fr").read_text().splitlines()
+            (tmp_path / "work" / "checkpoints" / key / "best_scored" / f"{subset}.beam5.fr").read_text().splitlines()
     blind_out = tmp_path / "ledger.blind"
     assert os.listdir(blind_out) == [f"{key}.news.fr.gz"]
     assert os.listdir(tmp_path / "ledger.starts") == [f"{key}.pt"]  # the checkpoint kept for fine-tunings
@@ -611,7 +611,8 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     shutil.rmtree(tmp_path / "ledger.starts")
     said = script(CONVERGED, "carry", *common)
     assert f"{key}: carried at update" in said and "1 run(s) in flight carried" in said
-    assert sorted(os.listdir(carried))[0] == "checkpoint_last.pt.planes.zlib.part000" and len(os.listdir(carried)) == 2
+    assert sorted(os.listdir(carried)) == ["carried_at", "checkpoint_last.pt.planes.zlib.part000",
+                                           *(name for name in sorted(os.listdir(save)) if name.startswith("train."))]
     shutil.rmtree(tmp_path / "work" / "checkpoints")  # another machine (the prepared data kept: no need to redo it)
 
     out = script(CONVERGED, "run", *common, "--extra-args", TINY_RNNSEARCH, timeout=900)
@@ -692,23 +693,33 @@ def test_a_carried_run_keeps_its_last_checkpoint_and_its_best_as_weights_or_as_s
     carried = sorted(os.listdir(tmp_path / "carried"))
     last_parts = [name for name in carried if name.startswith("checkpoint_last.pt.planes.zlib.part")]
     assert len(last_parts) > 1 and all((tmp_path / "carried" / name).stat().st_size <= part_bytes for name in carried)
-    assert [name for name in carried if not name.startswith("checkpoint_")] == ["train.1.log"]
+    assert [name for name in carried if not name.startswith("checkpoint_")] == ["carried_at", "train.1.log"]
+    assert (tmp_path / "carried" / "carried_at").read_text() == "20\n"
     converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
     assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
     best = torch.load(tmp_path / "restored" / "checkpoint_best.pt", weights_only=False)
     assert best["last_optimizer_state"] is None and best["model"]["w"][0] == 10
     assert (tmp_path / "restored" / "checkpoint_last.pt").read_bytes() == (save / "checkpoint_last.pt").read_bytes()
 
-    def score_best(checkpoint, out):  # what Study.score leaves: scores.json and the hypotheses
-        os.makedirs(out)
+    def score_best(checkpoint, out):  # what Study.score leaves: scores.json, the hypotheses it names, logs
+        os.makedirs(os.path.join(out, "blind", "set1"))
         (tmp_path / "scored_from").write_text(checkpoint)
+        for name in ("valid.beam5.fr", "test.beam5.fr", "blind/set1/test.beam5.fr", "valid.log"):
+            with open(os.path.join(out, name), "w") as f:
+                f.write(name)
         with open(os.path.join(out, "scores.json"), "w") as f:
-            json.dump({"updates": 10, "bleu": {"valid": 1.5, "test": 2.5}, "blind": {}}, f)
+            json.dump({"updates": 10, "bleu": {"valid": 1.5, "test": 2.5}, "blind": {"set1": "blind/set1/test.beam5.fr"},
+                       "hypotheses": {"valid": "valid.beam5.fr", "test": "test.beam5.fr"}}, f)
 
     shutil.rmtree(tmp_path / "restored")
     converged.carry_run(str(save), str(tmp_path / "carried"), score_best=score_best)  # (over the earlier carry)
     assert (tmp_path / "scored_from").read_text() == str(save / "checkpoint_best.pt")
     assert not [name for name in os.listdir(tmp_path / "carried") if name.startswith("checkpoint_best")]
+    scored = tmp_path / "carried" / "best_scored"  # what the record reads, not the logs of the scoring
+    assert sorted(str(p.relative_to(scored)) for p in scored.rglob("*") if p.is_file()) == \
+        ["blind/set1/test.beam5.fr", "scores.json", "test.beam5.fr", "valid.beam5.fr"]
+    (tmp_path / "restored").mkdir()
+    (tmp_path / "restored" / "checkpoint_best.pt").write_text("a stale save of an earlier start")
     converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
     assert sorted(os.listdir(tmp_path / "restored")) == ["best_scored", "checkpoint_last.pt", "train.1.log"]
     converged.carry_run(str(tmp_path / "restored"), str(tmp_path / "carried_again"), score_best=None)
@@ -716,7 +727,8 @@ def test_a_carried_run_keeps_its_last_checkpoint_and_its_best_as_weights_or_as_s
 
     carried_checkpoint(save / "checkpoint_best.pt", 20)  # the best is the last: carried once
     converged.carry_run(str(save), str(tmp_path / "carried"))
-    assert sorted(os.listdir(tmp_path / "carried")) == ["checkpoint_last.pt.planes.zlib.part000", "train.1.log"]
+    assert sorted(os.listdir(tmp_path / "carried")) == ["carried_at", "checkpoint_last.pt.planes.zlib.part000",
+                                                        "train.1.log"]
     shutil.rmtree(tmp_path / "restored")
     converged.restore_carried(str(tmp_path / "carried"), str(tmp_path / "restored"))
     assert sorted(os.listdir(tmp_path / "restored")) == ["checkpoint_best.pt", "checkpoint_last.pt", "train.1.log"]
@@ -729,6 +741,39 @@ def test_a_carried_run_keeps_its_last_checkpoint_and_its_best_as_weights_or_as_s
     (earlier / "checkpoint_last.pt.part001").write_bytes(data[300:])
     converged.restore_carried(str(earlier), str(tmp_path / "from_earlier"))
     assert (tmp_path / "from_earlier" / "checkpoint_last.pt").read_bytes() == data
+
+
+def test_a_carry_is_restored_only_ahead_of_the_workdirs_own_run_and_a_recorded_run_is_not_carried(tmp_path):
+    """carry_ahead: a carry is restored into a folder without a last checkpoint or with one of fewer updates, not
+    over one as far or further; ``carry`` leaves out a run in flight here that the ledger already has (recorded
+    where it was continued), but not a pre-training's folder, which holds its reruns."""
+    import types
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    save, carried = tmp_path / "work" / "checkpoints" / "tune.tf.lr0.0005.seed1", tmp_path / "carry"
+    assert not converged.carry_ahead(str(carried), str(save))  # nothing carried
+    save.mkdir(parents=True)
+    carried_checkpoint(save / "checkpoint_last.pt", 20)
+    converged.carry_run(str(save), str(carried))
+    assert not converged.carry_ahead(str(carried), str(save))  # as far
+    carried_checkpoint(save / "checkpoint_last.pt", 10)
+    assert converged.carry_ahead(str(carried), str(save))  # behind
+    (save / "checkpoint_last.pt").unlink()
+    assert converged.carry_ahead(str(carried), str(save))
+    carried_checkpoint(save / "checkpoint_last.pt", 30)
+    assert not converged.carry_ahead(str(carried), str(save))  # further
+
+    pretrain = tmp_path / "work" / "checkpoints" / "pretrain.rnnsearch.seed1"  # its rerun in flight
+    pretrain.mkdir()
+    carried_checkpoint(pretrain / "checkpoint_last.pt", 5)
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("".join(json.dumps({"key": key, "stage": "tune"}) + "\n"
+                              for key in ("tune.tf.lr0.0005.seed1", "pretrain.rnnsearch.seed1")))
+    raw = toy_raw_data(tmp_path / "raw")
+    study = converged.Study(types.SimpleNamespace(ledger=str(ledger), workdir=str(tmp_path / "work"), prepared=None,
+                                                  data=str(raw), blind=None))
+    study.carry()
+    assert os.listdir(tmp_path / "ledger.carried") == ["pretrain.rnnsearch.seed1"]
 
 
 def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_path, monkeypatch):
@@ -755,7 +800,8 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
         (scored / f"{subset}.beam5.fr").write_text(text)
     (scored / "blind" / "set1.fr").write_text("carried blind\n")
     (scored / "scores.json").write_text(json.dumps({"updates": 10, "bleu": {"valid": 51.5, "test": 52.5},
-                                                    "blind": {"set1": "blind/set1.fr"}}))
+                                                    "blind": {"set1": "blind/set1.fr"},
+                                                    "hypotheses": {"valid": "valid.beam5.fr", "test": "test.beam5.fr"}}))
     carried_checkpoint(save / "checkpoint_last.pt", 20)
     (save / "train.1.log").write_text("2026-01-01 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 51.5 "
                                       "| num_updates 10\nSaved checkpoint checkpoint_best.pt (epoch 1 @ 10 updates\n"
@@ -784,8 +830,7 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
     scoring = []
     monkeypatch.setattr(converged, "run_logged", lambda *a, **k: fairseq_train(*a, **k, gain=True))
     monkeypatch.setattr(study, "score", lambda checkpoint, out: scoring.append(checkpoint) or
-                        {"updates": 30, "bleu": {"valid": 52.0, "test": 53.0}, "blind": {}})
-    monkeypatch.setattr(converged, "keep_hypotheses", lambda *a: None)
+                        {"updates": 30, "bleu": {"valid": 52.0, "test": 53.0}, "blind": {}, "hypotheses": {}})
     row = study.train(key, "tune", "rnnsearch", "soft_beam_paper", 1, [])
     assert scoring == [str(save / "checkpoint_best.pt")] and row["bleu"]["test"] == 53.0 and row["scored_updates"] == 30
 
@@ -852,7 +897,7 @@ def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys,
     for r in rows:
         for subset in ("valid", "test"):
             assert lines_of_gzip(kept / f"{r['key']}.{subset}.fr.gz") == \
-                (tmp_path / "work" / "checkpoints" / r["key"] / f"{subset}.beam5.fr").read_text().splitlines()
+                (tmp_path / "work" / "checkpoints" / r["key"] / "best_scored" / f"{subset}.beam5.fr").read_text().splitlines()
         assert len(lines_of_gzip(blind_out / f"{r['key']}.news.fr.gz")) == 2
     # ``blind``: a scored run whose translations are missing translates them again from its checkpoint
     (blind_out / "attention.softmax.seed1.news.fr.gz").unlink()

@@ -4,7 +4,8 @@
 #
 #   bash experiments/multi30k_converged/background.sh start [WORK]   # start, or continue after a stop
 #   bash experiments/multi30k_converged/background.sh pause|resume [WORK]
-#   bash experiments/multi30k_converged/background.sh carry [WORK]   # stop, and carry the runs in flight (driver carry)
+#   bash experiments/multi30k_converged/background.sh carry [WORK]   # stop, and carry the runs in flight with the
+#                                                                     # checkout's driver (its carry format)
 #
 # PAIR (fr or de, default fr), STAGES (default tune), SEEDS (default "1 2 3"), THREADS (default 2: one run with two
 # threads trains twice as fast as one, and two runs side by side slow each other). WORK (default /work/study): the

@@ -389,9 +389,30 @@ def train_logs(save: str) -> List[str]:
     return sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
 
 
-# The scores of a run's best checkpoint, when the run is carried without it (``carry_run``): a folder in the checkpoint
-# folder with scores.json (the checkpoint's updates and BLEU) and the hypotheses that scoring writes (``Study.score``).
+# The scores of a run's best checkpoint (``Study.score``): a folder in the checkpoint folder with scores.json (the
+# checkpoint's updates and BLEU, and the paths of its hypotheses, which a carry without the checkpoint carries).
 SCORED_BEST = "best_scored"
+# The updates a carried run was carried at (a file in the carry): ``run`` restores a carry ahead of its workdir's run.
+CARRIED_AT = "carried_at"
+
+
+def copy_scores(scored: str, dest: str) -> None:
+    """A best checkpoint's scores (:data:`SCORED_BEST` folder ``scored``) copied to ``dest``: scores.json and the
+    hypotheses it names, nothing else that scoring left there (fairseq-generate's logs)."""
+    with open(os.path.join(scored, "scores.json"), encoding="utf-8") as f:
+        scores = json.load(f)
+    for path in ["scores.json", *scores["hypotheses"].values(), *scores["blind"].values()]:
+        os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
+        shutil.copyfile(os.path.join(scored, path), os.path.join(dest, path))
+
+
+def carried_updates(carried: str) -> int:
+    """The updates the run carried in ``carried`` was carried at (-1 for a carry of a version that did not say)."""
+    path = os.path.join(carried, CARRIED_AT)
+    if not os.path.exists(path):
+        return -1
+    with open(path, encoding="utf-8") as f:
+        return int(f.read())
 
 
 def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_best=None) -> int:
@@ -412,7 +433,8 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_be
     best = os.path.join(save, BEST_CHECKPOINT)
     if os.path.exists(best) and checkpoint_updates(best) != updates:
         if score_best is not None:
-            score_best(best, os.path.join(partial, SCORED_BEST))
+            score_best(best, os.path.join(save, SCORED_BEST))
+            copy_scores(os.path.join(save, SCORED_BEST), os.path.join(partial, SCORED_BEST))
         else:
             stripped = os.path.join(partial, BEST_CHECKPOINT)
             keep_start(best, stripped)
@@ -420,27 +442,41 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_be
                 write_in_parts(pack(f.read()), stripped + PACKED, part_bytes)
             os.remove(stripped)
     elif not os.path.exists(best) and os.path.isdir(os.path.join(save, SCORED_BEST)):
-        shutil.copytree(os.path.join(save, SCORED_BEST), os.path.join(partial, SCORED_BEST))
+        copy_scores(os.path.join(save, SCORED_BEST), os.path.join(partial, SCORED_BEST))
     for log in train_logs(save):
         shutil.copyfile(os.path.join(save, log), os.path.join(partial, log))
+    with open(os.path.join(partial, CARRIED_AT), "w", encoding="utf-8") as f:
+        f.write(f"{updates}\n")
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(partial, dest)
     return updates
 
 
+def carry_ahead(carried: str, save: str) -> bool:
+    """Whether the run carried in ``carried`` is to be restored into checkpoint folder ``save``: there is one, and the
+    folder's own run is not as far (no checkpoint_last.pt, or one of fewer updates: this workdir's copy stopped
+    before a machine that continued the run carried it)."""
+    if not os.path.isdir(carried):
+        return False
+    last = os.path.join(save, LAST)
+    return not os.path.exists(last) or checkpoint_updates(last) < carried_updates(carried)
+
+
 def restore_carried(carried: str, save: str) -> None:
     """A run carried by :func:`carry_run` put back into its checkpoint folder ``save``: each checkpoint joined from
     its parts and unpacked, its best checkpoint a copy of the last when it was the same save, or the scores carried
-    in its place."""
-    os.makedirs(save, exist_ok=True)
+    in its place. What ``save`` held is removed first (a run that stopped before its first checkpoint, or one behind
+    the carry)."""
+    shutil.rmtree(save, ignore_errors=True)
+    os.makedirs(save)
     parts: Dict[str, List[str]] = {}
     for name in sorted(os.listdir(carried)):  # a checkpoint's parts in order
         part = PART.match(name)
         if part:
             parts.setdefault(part["name"], []).append(name)
         elif name == SCORED_BEST:
-            shutil.copytree(os.path.join(carried, name), os.path.join(save, name), dirs_exist_ok=True)
-        else:
+            shutil.copytree(os.path.join(carried, name), os.path.join(save, name))
+        elif name != CARRIED_AT:
             shutil.copyfile(os.path.join(carried, name), os.path.join(save, name))
     for stored, names in parts.items():
         data = b"".join(open(os.path.join(carried, name), "rb").read() for name in names)
@@ -466,11 +502,11 @@ def gzip_file(path: str, gz: str) -> None:
         g.write(f.read())
 
 
-def keep_hypotheses(ledger: str, key: str, out: str, tgt: str) -> None:
-    """Copies a scored run's detokenised hypotheses (val and test) beside the ledger, gzipped."""
-    for subset in ("valid", "test"):
-        gzip_file(os.path.join(out, f"{subset}.beam{BEAM}.{tgt}"),
-                  os.path.join(hyps_dir(ledger), f"{key}.{subset}.{tgt}.gz"))
+def keep_hypotheses(ledger: str, key: str, hypotheses: Dict[str, str], tgt: str) -> None:
+    """Copies a scored run's detokenised hypotheses (their paths by subset: val and test) beside the ledger,
+    gzipped."""
+    for subset, path in hypotheses.items():
+        gzip_file(path, os.path.join(hyps_dir(ledger), f"{key}.{subset}.{tgt}.gz"))
 
 
 def blind_sets(blind: Optional[str]) -> Dict[str, str]:
@@ -628,10 +664,12 @@ class Study:
     def score(self, checkpoint: str, out: str) -> dict:
         """What a run's record reads of its best checkpoint, made in folder ``out``: the hypotheses and BLEU of
         :func:`evaluate`, the blind sets' translations (:func:`translate_blind`), and ``out/scores.json`` (the
-        checkpoint's updates, its BLEU, the translations' paths relative to ``out``), which it returns."""
+        checkpoint's updates, its BLEU, the hypotheses' and translations' paths relative to ``out``: all that
+        :func:`carry_run` carries), which it returns."""
         os.makedirs(out, exist_ok=True)
         blind = translate_blind(self.data, checkpoint, list(self.blind), os.path.join(out, "blind"))
         scores = {"updates": checkpoint_updates(checkpoint), "bleu": evaluate(self.data, checkpoint, out),
+                  "hypotheses": {subset: f"{subset}.beam{BEAM}.{self.tgt}" for subset in ("valid", "test")},
                   "blind": {name: os.path.relpath(path, out) for name, path in blind.items()}}
         with open(os.path.join(out, "scores.json"), "w", encoding="utf-8") as f:
             json.dump(scores, f, indent=1, sort_keys=True)
@@ -678,7 +716,7 @@ class Study:
             return done[key]
         save = os.path.join(self.args.workdir, "checkpoints", save_as or key)
         carried = os.path.join(carried_dir(self.ledger), save_as or key)
-        if not os.path.exists(os.path.join(save, LAST)) and os.path.isdir(carried):
+        if carry_ahead(carried, save):
             print(f"{key}: restoring the run carried in {carried}", flush=True)
             restore_carried(carried, save)
         os.makedirs(save, exist_ok=True)
@@ -724,7 +762,8 @@ class Study:
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
                "train_s_starts": [round(t.seconds, 1) for t in logs],
                "bleu": scores["bleu"], "extra": extra + shlex.split(self.args.extra_args)}
-        keep_hypotheses(self.ledger, key, scored_dir, self.tgt)
+        keep_hypotheses(self.ledger, key, {subset: os.path.join(scored_dir, path)
+                                           for subset, path in scores["hypotheses"].items()}, self.tgt)
         self.keep_blind(key, {name: os.path.join(scored_dir, path) for name, path in scores["blind"].items()})
         if stage in ("pretrain", "rerun"):
             keep_start(os.path.join(save, "checkpoint_best.pt"), os.path.join(starts_dir(self.ledger), f"{key}.pt"))
@@ -914,6 +953,7 @@ class Study:
         written is not one to copy."""
         root = os.path.join(self.args.workdir, "checkpoints")
         self.prepare_blind()
+        recorded = rows_by_key(self.ledger)
         carried = 0
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             save = os.path.join(root, name)
@@ -921,6 +961,9 @@ class Study:
                 # a pre-training's best checkpoint is where the fine-tunings start: its weights are carried; any
                 # other run's, only what its record reads of it
                 starts_others = name.startswith("pretrain.")
+                if name in recorded and not starts_others:  # (recorded on another machine: this copy is behind; a
+                    print(f"{name}: in the ledger, not carried", flush=True)  # pre-training's folder holds reruns)
+                    continue
                 if not starts_others and not self.blind:
                     print(f"{name}: WARNING no --blind: its best checkpoint is carried scored without the blind "
                           "sets' translations", flush=True)
