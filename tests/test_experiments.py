@@ -1112,28 +1112,39 @@ def test_converged_report_reports_the_fine_tunings_to_convergence_at_the_chosen_
         curve = [{"epoch": e, "updates": 10 * e, "bleu": valid - 1.0 / e} for e in (1, 2, 3)]
         append_row(str(ledger), {"key": key, "stage": stage, "method": method, "seed": seed, "pair": "en-fr",
                                  "bleu": {"valid": valid, "test": valid}, "val_curve": curve, "epochs": 3,
-                                 "converged": True, "train_s": 60.0, "extra": ["--patience", "5"], **fields})
+                                 "converged": True, "train_s": 60.0, **{"extra": ["--patience", "5"], **fields}})
 
     (tmp_path / "en_fr.hyps").mkdir()
     for seed in (1, 2):
         row(f"pretrain.rnnsearch.seed{seed}", "pretrain", "teacher_forcing", seed, 40.0)
     row("tune.tf.lr0.001.seed1", "tune", "tf", 1, 41.0, lr=1e-3, start="pretrain.rnnsearch.seed1")
     row("tune.tf.lr0.0005.seed1", "tune", "tf", 1, 42.0, lr=5e-4, start="pretrain.rnnsearch.seed1")
+    page_path, plot_path = tmp_path / "page.md", tmp_path / "fig" / "bleu.png"
+    plot_path.parent.mkdir()
+
+    def section():
+        converged.main(["report", "--pair", str(ledger), str(data), "--out", str(page_path), "--plot", str(plot_path)])
+        page = page_path.read_text()
+        return page, page[page.index("## Training through beam search, fine-tuned to convergence"):
+                          page.index("## The pre-trainings")]
+
+    # the controls alone: the arm table already holds the control at the rate it chose for the soft runs
+    page, tune = section()
+    assert "42.00 at 0.0005 (its start: 40.00); the soft runs, not started yet, run at 0.0005." in tune
+    assert re.search(r"\| continued teacher forcing \| en-fr \| 1 \|", tune)
+    assert "none has run yet" in tune
     for seed in (1, 2):
         for method in ("soft_beam_paper", "soft_beam_rho05") + (("tf",) if seed == 2 else ()):
             if (method, seed) != ("soft_beam_rho05", 2):
                 row(f"tune.{method}.lr0.0005.seed{seed}", "tune", method, seed, 41.5, lr=5e-4,
-                    start=f"pretrain.rnnsearch.seed{seed}")
+                    start=f"pretrain.rnnsearch.seed{seed}", extra=["--patience", "5", "--soft-beam-candidates", "50"])
         for method in ("tf", "soft_beam_paper"):  # the 278-update study: the same comparison as the one above
             row(f"finetune.{method}.seed{seed}", "finetune", method, seed, 40.5)
-    page_path, plot_path = tmp_path / "page.md", tmp_path / "fig" / "bleu.png"
-    plot_path.parent.mkdir()
-    converged.main(["report", "--pair", str(ledger), str(data), "--out", str(page_path), "--plot", str(plot_path)])
-    page = page_path.read_text()
-    tune = page[page.index("## Training through beam search, fine-tuned to convergence"):
-                page.index("## The pre-trainings")]
+    page, tune = section()
     assert "the control on seed 1 reached val BLEU 41.00 at 0.001, 42.00 at 0.0005 (its start: 40.00); every run " \
            "is at 0.0005." in tune
+    assert "both with 50 candidates per sentence (the exact search" in tune
+    assert "to convergence at one rate, 50 candidates per sentence)" in page
     assert re.search(r"\| continued teacher forcing \| en-fr \| 2 \|", tune)  # seeds 1 and 2 at 5e-4, not 1e-3
     for system in ("soft beam search (paper's setting)", "soft beam search, rho 0.5"):
         assert re.search(rf"\| {re.escape(system)} - continued teacher forcing \| en-fr \| val \| s1 [-+]\d", tune)

@@ -384,6 +384,13 @@ def write_in_parts(data: bytes, dest: str, part_bytes: int) -> None:
             part.write(data[index * part_bytes:(index + 1) * part_bytes])
 
 
+def write_packed(src: str, dest: str, part_bytes: int) -> None:
+    """File ``src`` packed (:func:`pack`) and written in parts of at most ``part_bytes`` as ``DEST.planes.zlib.partNNN``
+    (:func:`write_in_parts`)."""
+    with open(src, "rb") as f:
+        write_in_parts(pack(f.read()), dest + PACKED, part_bytes)
+
+
 def train_logs(save: str) -> List[str]:
     """The fairseq-train logs of a checkpoint folder, one per start, oldest first."""
     return sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
@@ -428,8 +435,7 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_be
     partial = dest + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    with open(os.path.join(save, LAST), "rb") as f:
-        write_in_parts(pack(f.read()), os.path.join(partial, LAST + PACKED), part_bytes)
+    write_packed(os.path.join(save, LAST), os.path.join(partial, LAST), part_bytes)
     best = os.path.join(save, BEST_CHECKPOINT)
     if os.path.exists(best) and checkpoint_updates(best) != updates:
         if score_best is not None:
@@ -438,8 +444,7 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_be
         else:
             stripped = os.path.join(partial, BEST_CHECKPOINT)
             keep_start(best, stripped)
-            with open(stripped, "rb") as f:
-                write_in_parts(pack(f.read()), stripped + PACKED, part_bytes)
+            write_packed(stripped, stripped, part_bytes)
             os.remove(stripped)
     elif not os.path.exists(best) and os.path.isdir(os.path.join(save, SCORED_BEST)):
         copy_scores(os.path.join(save, SCORED_BEST), os.path.join(partial, SCORED_BEST))

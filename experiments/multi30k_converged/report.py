@@ -117,12 +117,23 @@ def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
 
 
 def tune_rate(pair: Pair) -> Optional[float]:
-    """The learning rate of a pair's fine-tunings to convergence: the one its soft beam-search runs share (the
-    driver chose it on the control's val BLEU before running them); None before the first of them."""
+    """The learning rate of a pair's fine-tunings to convergence: the one its soft beam-search runs share; before
+    the first of them, the driver's choice (``tune_lr_choice``) among the rates the sweep seed's control (the seed
+    that tried several) has run at, highest first as the driver tries them; None before it has run at two."""
     rates = {row["lr"] for row in pair.rows.values() if row["stage"] == "tune" and row["method"] != TUNE_CONTROL}
     if len(rates) > 1:
         raise ValueError(f"{pair.ledger}: the soft fine-tunings to convergence ran at several rates: {sorted(rates)}")
-    return rates.pop() if rates else None
+    if rates:
+        return rates.pop()
+    tried: Dict[int, set] = {}
+    for row in pair.rows.values():
+        if row["stage"] == "tune" and row["method"] == TUNE_CONTROL:
+            tried.setdefault(row["seed"], set()).add(row["lr"])
+    sweep = [seed for seed, lrs in tried.items() if len(lrs) > 1]
+    if not sweep:
+        return None
+    from driver import tune_lr_choice  # (the rule is the driver's; it imports this module only for its report)
+    return tune_lr_choice(pair.rows, sorted(tried[sweep[0]], reverse=True), sweep[0])
 
 
 def _sha(lines: List[str]) -> str:
@@ -516,6 +527,26 @@ def summary(found_attention: dict, found_finetune: dict, pairs: List[Pair], swee
     return lines
 
 
+def tune_candidates(pairs: List[Pair]) -> str:
+    """The search of the soft fine-tunings to convergence, as their rows' ``--soft-beam-candidates`` say it: "M
+    candidates" (0: "the exact search"), "M or N candidates" where runs differ, "candidates not run yet" before any."""
+    found = set()
+    for pair in pairs:
+        for row in pair.rows.values():
+            extra = row.get("extra", [])
+            if row["stage"] == "tune" and row["method"] != TUNE_CONTROL and "--soft-beam-candidates" in extra:
+                found.add(int(extra[extra.index("--soft-beam-candidates") + 1]))
+    if not found:
+        return "the candidates per sentence their rows will name (none has run yet)"
+    return " or ".join("the exact search" if m == 0 else f"{m}" for m in sorted(found)) + (
+        "" if found == {0} else " candidates per sentence")
+
+
+def soft_started(pair: Pair) -> bool:
+    """Whether the ledger holds a soft fine-tuning to convergence of ``pair``."""
+    return any(row["stage"] == "tune" and row["method"] != TUNE_CONTROL for row in pair.rows.values())
+
+
 def tune_rate_line(pair: Pair) -> str:
     """How the fine-tunings' rate was chosen: the control's val BLEU at each rate on the seed that tried them."""
     tried = sorted(((row["seed"], row["lr"], row["bleu"]["valid"]) for row in pair.rows.values()
@@ -530,7 +561,8 @@ def tune_rate_line(pair: Pair) -> str:
     return (f"{pair.name}: the control on seed {seed} reached val BLEU "
             + ", ".join(f"{bleu:.2f} at {lr:g}" for lr, bleu in tried)
             + (f" (its start: {start:.2f})" if start is not None else "")
-            + (f"; every run is at {rate:g}." if rate is not None else "; the soft runs have not started."))
+            + (f"; every run is at {rate:g}." if soft_started(pair) else
+               f"; the soft runs, not started yet, run at {rate:g}."))
 
 
 def tune_summary(found: dict, pairs: List[Pair]) -> List[str]:
@@ -735,6 +767,7 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
     tune_lines, found_tune = comparison_table(pairs, tests, "tune", TUNE_COMPARISONS)
     answers = summary(found_attention, found_finetune, pairs, sweep) + tune_summary(found_tune, pairs)
     tune_arms = [a for a in TUNE_ARMS if any(arm_keys(p, "tune", a) for p in pairs)]
+    candidates = tune_candidates(pairs)
     curves = (os.path.join(os.path.dirname(plot_path), "multi30k_beam_training_curves.png")
               if plot_path and tune_arms and tune_curves(pairs, os.path.join(os.path.dirname(plot_path),
                                                                               "multi30k_beam_training_curves.png"))
@@ -760,7 +793,7 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         "**Caveats.** One data set (two target languages, the same English sources), one model size (a 2+2-layer "
         "transformer with 128-dimensional embeddings for attention; a 256-unit RNNsearch for fine-tuning), one k "
         "and one temperature (k 4, epsilon 0.1), "
-        + ("two fine-tuning settings (278 updates at Adam 1e-4; to convergence at one rate, 50 candidates)"
+        + (f"two fine-tuning settings (278 updates at Adam 1e-4; to convergence at one rate, {candidates})"
            if tune_arms else "one fine-tuning setting (278 updates at Adam 1e-4)") + ". The pooled "
         "tests ask whether a system is better on these test sentences across three training runs; with three "
         f"seeds the spread between runs is measured only roughly (the t-test column). This page reports {n_tests} "
@@ -831,9 +864,10 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
             "Adam at one rate under the pre-training's plateau schedule (x0.5 after an epoch without a val BLEU "
             "gain beyond the first) and stops after 5 epochs without a gain, validated every epoch, best on val: "
             "continued teacher forcing (the control), soft beam search in the paper's setting (rho 0.8, beam 5, "
-            "epsilon 0.1 with the paper's scaling, argmax bookkeeping) and the same at rho 0.5, both with 50 "
-            "candidates per sentence (the exact search costs 3x more; the pruning comparison below measures how "
-            "close their gradients are). The rate, 1e-3 (the pre-training's own initial rate) or half of it, is "
+            "epsilon 0.1 with the paper's scaling, argmax bookkeeping) and the same at rho 0.5, both with "
+            f"{candidates}" + (" (the exact search costs 3x more; the pruning comparison below measures how "
+                               "close their gradients are)" if candidates.endswith("per sentence") else "")
+            + ". The rate, 1e-3 (the pre-training's own initial rate) or half of it, is "
             "chosen on one seed's control alone, by its val BLEU -- no soft beam-search result takes part in it:",
             "",
             *[f"- {tune_rate_line(pair)}" for pair in pairs if any(r["stage"] == "tune" for r in pair.rows.values())],
