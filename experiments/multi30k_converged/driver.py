@@ -117,8 +117,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(HERE))  # experiments/: the ledger
+sys.path.insert(0, HERE)  # the study's libraries (tuning; report, for its command)
 from ledger import append_row, rows_by_key  # noqa: E402
 from softtopk_fairseq.pipeline.run import quiet_warnings_env, run_logged  # noqa: E402
+from tuning import TUNE_CONTROL, tune_key, tune_lr_choice  # noqa: E402
 
 RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
 PRUNING = os.path.join(REPO_ROOT, "experiments", "soft_beam_analysis", "pruning.py")
@@ -183,8 +185,7 @@ BEST = "soft_beam_best"
 DEFAULT_FINETUNE = ["tf", "soft_beam_paper", "softmax_k_times", BEST]
 # The fine-tuning to convergence (stage ``tune``): the control and soft beam search at rho 0.8 and 0.5, each
 # restarted at a learning rate of the pre-training's order under its plateau schedule until val BLEU stops improving.
-TUNE_RUNS = ["tf", "soft_beam_paper", "soft_beam_rho05"]
-TUNE_CONTROL = "tf"
+TUNE_RUNS = [TUNE_CONTROL, "soft_beam_paper", "soft_beam_rho05"]
 # The pruning comparison's setting whose temperature each soft fine-tuning run shares (--candidates auto).
 PRUNING_SETTING = {"soft_beam_paper": "paper", "softmax_k_times": "paper", "soft_beam_topk_bookkeeping": "paper",
                    "perturbed": "paper", "soft_beam_nats": "topk_nats", "soft_beam_rho05": "paper"}
@@ -212,23 +213,6 @@ def sweep_choice(rows: Dict[str, dict], seed: int) -> Optional[str]:
     if len(val) < len(SWEEP):
         return None
     return max(SWEEP, key=lambda name: (val[name], -SWEEP.index(name)))
-
-
-def tune_key(name: str, lr: float, seed: int) -> str:
-    """The ledger key of a fine-tuning to convergence (stage ``tune``) of ``name`` at learning rate ``lr``."""
-    return f"tune.{name}.lr{lr:g}.seed{seed}"
-
-
-def tune_lr_choice(rows: Dict[str, dict], lrs: List[float], seed: int) -> Optional[float]:
-    """The learning rate of the fine-tunings to convergence: among ``lrs``, the one at which the control
-    (continued teacher forcing) of ``seed`` reached the highest val BLEU (the earlier in ``lrs`` on a tie) -- chosen
-    on the control alone, so that no soft beam-search result takes part in it; None until the control has run at
-    every rate."""
-    val = {lr: rows[tune_key(TUNE_CONTROL, lr, seed)]["bleu"]["valid"] for lr in lrs
-           if tune_key(TUNE_CONTROL, lr, seed) in rows}
-    if len(val) < len(lrs):
-        return None
-    return max(lrs, key=lambda lr: (val[lr], -lrs.index(lr)))
 
 
 RERUN = re.compile(r"\.rerun\d*$")  # the suffix of a rerun's key (rerun_keys)
@@ -1012,7 +996,6 @@ class Study:
 
 def report(args) -> str:
     """The results page of the ``--pair LEDGER DATA`` studies (``report.py``), to ``--out`` or stdout."""
-    sys.path.insert(0, HERE)
     import report as page  # (its dependencies, sacrebleu and matplotlib, only for this command)
 
     if not args.pair:

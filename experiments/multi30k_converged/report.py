@@ -22,6 +22,7 @@ import statistics
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from significance import Comparison, METRICS, compare, pooled, t_test_p
+from tuning import TUNE_CONTROL, tune_lr_choice
 
 SUBSETS = ("valid", "test")
 SUBSET_NAMES = {"valid": "val", "test": "test"}
@@ -43,7 +44,6 @@ FINETUNE_COMPARISONS = [("soft_beam_paper", "tf"), ("softmax_k_times", "tf"), ("
 SWEEP = ("soft_beam_paper", "soft_beam_topk_bookkeeping", "soft_beam_nats")
 # The fine-tunings to convergence (stage ``tune``): the arms, the control, and the comparisons.
 TUNE_ARMS = ("start", "tf", "soft_beam_paper", "soft_beam_rho05")
-TUNE_CONTROL = "tf"
 TUNE_COMPARISONS = [("soft_beam_paper", "tf"), ("soft_beam_rho05", "tf"), ("soft_beam_paper", "soft_beam_rho05"),
                     ("tf", "start"), ("soft_beam_paper", "start"), ("soft_beam_rho05", "start")]
 TUNE_SEEDS = 3  # per arm: the study's plan
@@ -118,8 +118,9 @@ def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
 
 def tune_rate(pair: Pair) -> Optional[float]:
     """The learning rate of a pair's fine-tunings to convergence: the one its soft beam-search runs share; before
-    the first of them, the driver's choice (``tune_lr_choice``) among the rates the sweep seed's control (the seed
-    that tried several) has run at, highest first as the driver tries them; None before it has run at two."""
+    the first of them, the driver's choice (:func:`tuning.tune_lr_choice`) among the rates the sweep seed's control
+    (the seed that tried several) has run at, highest first as the driver tries them; None before it has run at
+    two."""
     rates = {row["lr"] for row in pair.rows.values() if row["stage"] == "tune" and row["method"] != TUNE_CONTROL}
     if len(rates) > 1:
         raise ValueError(f"{pair.ledger}: the soft fine-tunings to convergence ran at several rates: {sorted(rates)}")
@@ -132,7 +133,6 @@ def tune_rate(pair: Pair) -> Optional[float]:
     sweep = [seed for seed, lrs in tried.items() if len(lrs) > 1]
     if not sweep:
         return None
-    from driver import tune_lr_choice  # (the rule is the driver's; it imports this module only for its report)
     return tune_lr_choice(pair.rows, sorted(tried[sweep[0]], reverse=True), sweep[0])
 
 
