@@ -126,14 +126,19 @@ def tune_rate(pair: Pair) -> Optional[float]:
         raise ValueError(f"{pair.ledger}: the soft fine-tunings to convergence ran at several rates: {sorted(rates)}")
     if rates:
         return rates.pop()
-    tried: Dict[int, set] = {}
+    seed, tried = control_sweep(pair)
+    return tune_lr_choice(pair.rows, sorted(tried, reverse=True), seed) if len(tried) > 1 else None
+
+
+def control_sweep(pair: Pair) -> Tuple[Optional[int], Dict[float, float]]:
+    """The seed whose control ran at the most rates (the driver's sweep seed; None before any control) and its val
+    BLEU at each of them."""
+    tried: Dict[int, Dict[float, float]] = {}
     for row in pair.rows.values():
         if row["stage"] == "tune" and row["method"] == TUNE_CONTROL:
-            tried.setdefault(row["seed"], set()).add(row["lr"])
-    sweep = [seed for seed, lrs in tried.items() if len(lrs) > 1]
-    if not sweep:
-        return None
-    return tune_lr_choice(pair.rows, sorted(tried[sweep[0]], reverse=True), sweep[0])
+            tried.setdefault(row["seed"], {})[row["lr"]] = row["bleu"]["valid"]
+    seed = max(tried, key=lambda s: len(tried[s]), default=None)
+    return seed, tried.get(seed, {})
 
 
 def _sha(lines: List[str]) -> str:
@@ -529,7 +534,7 @@ def summary(found_attention: dict, found_finetune: dict, pairs: List[Pair], swee
 
 def tune_candidates(pairs: List[Pair]) -> str:
     """The search of the soft fine-tunings to convergence, as their rows' ``--soft-beam-candidates`` say it: "M
-    candidates" (0: "the exact search"), "M or N candidates" where runs differ, "candidates not run yet" before any."""
+    candidates per sentence" (0: "the exact search"), "M or N ..." where runs differ; before any run, that none has."""
     found = set()
     for pair in pairs:
         for row in pair.rows.values():
@@ -549,11 +554,8 @@ def soft_started(pair: Pair) -> bool:
 
 def tune_rate_line(pair: Pair) -> str:
     """How the fine-tunings' rate was chosen: the control's val BLEU at each rate on the seed that tried them."""
-    tried = sorted(((row["seed"], row["lr"], row["bleu"]["valid"]) for row in pair.rows.values()
-                    if row["stage"] == "tune" and row["method"] == TUNE_CONTROL), key=lambda t: -t[1])
-    seeds = [seed for seed, _, _ in tried]
-    seed = max(set(seeds), key=seeds.count) if seeds else None
-    tried = [(lr, bleu) for s_, lr, bleu in tried if s_ == seed]
+    seed, by_rate = control_sweep(pair)
+    tried = sorted(by_rate.items(), reverse=True)
     if len(tried) < 2:
         return f"{pair.name}: the rate is not chosen yet (the control has run at {len(tried)} rate(s) on one seed)."
     rate = tune_rate(pair)
