@@ -1054,6 +1054,23 @@ def test_the_fairness_check_says_whether_the_top_k_lead_closes_against_a_longer_
     assert report.lead_change(-0.2, -0.5) == "it had no lead to close"
 
 
+def test_a_fine_tunings_start_is_the_pre_training_recorded_last_before_it(monkeypatch):
+    """The 278-update fine-tunings name no start: each seed's is its last pre-training or rerun recorded before its
+    first fine-tuning -- a rerun recorded after them (trained for the fine-tunings to convergence) is not theirs."""
+    monkeypatch.syspath_prepend(os.path.dirname(CONVERGED))
+    report = load("multi30k_converged_report", os.path.join(os.path.dirname(CONVERGED), "report.py"))
+    order = [("pretrain.rnnsearch.seed1", "pretrain", 1), ("pretrain.rnnsearch.seed2", "pretrain", 2),
+             ("pretrain.rnnsearch.seed3", "pretrain", 3), ("finetune.tf.seed2", "finetune", 2),
+             ("pretrain.rnnsearch.seed1.rerun", "rerun", 1), ("finetune.tf.seed1", "finetune", 1),
+             ("finetune.soft_beam_paper.seed2", "finetune", 2), ("pretrain.rnnsearch.seed1.rerun2", "rerun", 1),
+             ("pretrain.rnnsearch.seed2.rerun", "rerun", 2)]
+    rows = {key: {"key": key, "stage": stage, "method": key.split(".")[1], "seed": seed} for key, stage, seed in order}
+    pair = report.Pair("en-fr", "", "", rows, "", {})
+    assert report.arm_keys(pair, "finetune", "start") == {1: "pretrain.rnnsearch.seed1.rerun",
+                                                          2: "pretrain.rnnsearch.seed2"}
+    assert report.arm_keys(pair, "finetune", "tf") == {1: "finetune.tf.seed1", 2: "finetune.tf.seed2"}
+
+
 def test_the_stopping_check_finds_runs_that_trained_past_their_early_stopping_rule(monkeypatch):
     """A restart that lost early stopping's count trains on: the page names every run whose last epoch is not
     where its rule (patience after the last strict gain of its own val curve) stops, and says whether its scored

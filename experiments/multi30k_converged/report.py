@@ -93,9 +93,9 @@ def load_pair(ledger: str, data: str, tgt: str, valid_name: str = "val", test_na
 
 def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
     """seed -> ledger key of an arm. ``start``: the pre-training each seed's fine-tunings started from -- of stage
-    ``tune``, the one its rows name; of stage ``finetune``, the first rerun where the ledger has one
-    (``--retrain-missing`` trained it again into the original's folder; every such fine-tuning ran before a second
-    rerun), else the original."""
+    ``tune``, the one its rows name; of stage ``finetune`` (whose rows name none), the seed's last pre-training or
+    rerun recorded before its first fine-tuning (``--retrain-missing`` trains a rerun into the original's folder,
+    which the fine-tunings recorded after it started from; one recorded after them did not)."""
     keys = {}
     if stage == "tune" and arm == "start":
         return dict(sorted({row["seed"]: row["start"] for row in pair.rows.values() if row["stage"] == "tune"}.items()))
@@ -104,11 +104,12 @@ def arm_keys(pair: Pair, stage: str, arm: str) -> Dict[int, str]:
         return dict(sorted((row["seed"], key) for key, row in pair.rows.items()
                            if row["stage"] == "tune" and row["method"] == arm and row["lr"] == rate))
     if stage == "finetune" and arm == "start":
+        latest = {}  # seed -> its pre-training recorded last so far, in ledger order
         for key, row in pair.rows.items():
-            if row["stage"] in ("pretrain", "rerun") and not re.search(r"\.rerun\d+$", key):
-                seed = row["seed"]
-                if row["stage"] == "rerun" or seed not in keys:
-                    keys[seed] = key
+            if row["stage"] in ("pretrain", "rerun"):
+                latest[row["seed"]] = key
+            elif row["stage"] == "finetune" and row["seed"] not in keys and row["seed"] in latest:
+                keys[row["seed"]] = latest[row["seed"]]
         return dict(sorted(keys.items()))
     for key, row in pair.rows.items():
         if row["stage"] == stage and row["method"] == arm:
