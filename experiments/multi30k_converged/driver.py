@@ -509,14 +509,15 @@ def blind_sets(blind: Optional[str]) -> Dict[str, str]:
 class TrainLog:
     """What the driver reads from one fairseq-train log (one start of a run), in one pass: every validation's
     (epoch, updates, val BLEU), the update counts at which a checkpoint was saved, whether fairseq stopped early,
-    and the seconds from its first to its last timestamped line (pauses included)."""
+    whether its training ended (by its stopping rule or at --max-epoch), and the seconds from its first to its last
+    timestamped line (pauses included)."""
 
     TIMESTAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|")
 
     def __init__(self, log_path: str):
         self.curve: List[dict] = []
         self.saved: List[int] = []
-        self.stopped_early = False
+        self.stopped_early = self.finished = False
         first = last = None  # the first and last timestamps
         with open(log_path, encoding="utf-8") as f:
             for line in f:
@@ -530,6 +531,7 @@ class TrainLog:
                                            "updates": int(fields["num_updates"]), "bleu": float(fields["bleu"])})
                 self.saved += [int(u) for u in re.findall(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", line)]
                 self.stopped_early |= "early stop since valid performance hasn't improved" in line
+                self.finished |= "fairseq_cli.train | done training in" in line
         parse = lambda stamp: datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")
         self.seconds = (parse(last) - parse(first)).total_seconds() if first else 0.0
 
@@ -712,13 +714,19 @@ class Study:
         resumed = os.path.exists(os.path.join(save, LAST))
         if resumed:
             print(f"{key}: continuing from {save}/{LAST}", flush=True)
-        log = os.path.join(save, f"train.{int(time.time())}.log")  # one log per start: a resumed run keeps both
-        cmd = [sys.executable, "-m", "fairseq_cli.train", os.path.join(self.data, "bin"), "--user-dir",
-               os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
-               *shlex.split(self.args.extra_args)]
+        earlier = train_logs(save) if resumed else []
         start = time.time()
-        # fairseq's own deprecation warnings filtered (quiet_warnings_env), every other warning kept in the log
-        run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose)
+        if earlier and TrainLog(os.path.join(save, earlier[-1])).finished:
+            # Its training ended and it was stopped (or carried) before it was recorded: fairseq started again
+            # would train an epoch before it checks its stopping rule again.
+            print(f"{key}: its training ended ({earlier[-1]}); recording it", flush=True)
+        else:
+            log = os.path.join(save, f"train.{int(time.time())}.log")  # one log per start: a resumed run keeps all
+            cmd = [sys.executable, "-m", "fairseq_cli.train", os.path.join(self.data, "bin"), "--user-dir",
+                   os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
+                   *shlex.split(self.args.extra_args)]
+            # fairseq's own deprecation warnings filtered (quiet_warnings_env), every other warning kept in the log
+            run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose)
         seconds = time.time() - start
         logs = [TrainLog(os.path.join(save, f)) for f in train_logs(save)]
         curve = [p for t in logs for p in t.curve]
