@@ -324,6 +324,10 @@ def test_converged_study_tunes_every_arm_at_the_rate_the_control_chose_on_one_se
     assert [key for key, _, _ in trained] == ["tune.tf.lr0.001.seed1", "tune.tf.lr0.0005.seed1",
                                               "tune.soft_beam_paper.lr0.0005.seed1",
                                               "tune.soft_beam_rho05.lr0.0005.seed1"]
+    # Invoked later for the other seeds only (the first named is then the sweep seed): the rate stays seed 1's,
+    # which the ledger shows ran the control at every rate -- seed 2's control runs once, at the chosen rate.
+    study.args.seeds, study.args.sweep_seed = [2], None
+    assert converged.rate_seed({}, 2) == 2 and converged.rate_seed(converged.rows_by_key(study.ledger), 2) == 1
     study.tune(2)
     assert [key for key, _, _ in trained[4:]] == [f"tune.{name}.lr0.0005.seed2" for name in converged.TUNE_RUNS]
     start = str(tmp_path / "work" / "checkpoints" / "pretrain.rnnsearch.seed2" / "checkpoint_best.pt")

@@ -120,7 +120,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # experiments/: the ledger
 sys.path.insert(0, HERE)  # the study's libraries (tuning; report, for its command)
 from ledger import append_row, rows_by_key  # noqa: E402
 from softtopk_fairseq.pipeline.run import quiet_warnings_env, run_logged  # noqa: E402
-from tuning import TUNE_CONTROL, tune_key, tune_lr_choice  # noqa: E402
+from tuning import TUNE_CONTROL, rate_seed, tune_key, tune_lr_choice  # noqa: E402
 
 RECIPE = os.path.join(REPO_ROOT, "examples", "wmt14_en_fr")
 PRUNING = os.path.join(REPO_ROOT, "experiments", "soft_beam_analysis", "pruning.py")
@@ -895,7 +895,8 @@ class Study:
     def tune(self, seed: int) -> None:
         """The fine-tunings to convergence (``--tune-runs``) from the converged checkpoint of ``seed``, those not in
         the ledger yet, at the learning rate :func:`tune_lr_choice` picks: the control at every ``--tune-lrs`` rate
-        first, on the sweep seed only. Each restarts Adam at its rate under the pre-training's plateau schedule
+        first, on the sweep seed only (:func:`rate_seed`: once in the ledger, the seed whose control ran at several
+        rates). Each restarts Adam at its rate under the pre-training's plateau schedule
         (x0.5 after ``--lr-patience`` epochs without a val BLEU gain), validated every epoch, until
         ``--tune-patience`` epochs without a gain (at most ``--tune-max-epoch``); scored at its best validation."""
         a = self.args
@@ -903,14 +904,16 @@ class Study:
         if start is None:
             return
         start_key = recorded_as(os.path.dirname(start))
-        lrs = a.tune_lrs if seed == self.sweep_seed else []
+        # (the ledger's, once its control has run at several rates: naming other seeds later does not move it)
+        sweep = rate_seed(rows_by_key(self.ledger), self.sweep_seed)
+        lrs = a.tune_lrs if seed == sweep else []
         planned = [(TUNE_CONTROL, lr) for lr in lrs]
-        chosen = tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, self.sweep_seed)
-        if chosen is None and seed != self.sweep_seed:
-            print(f"tune (seed {seed}): the learning rate is chosen on seed {self.sweep_seed}'s control at every "
+        chosen = tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, sweep)
+        if chosen is None and seed != sweep:
+            print(f"tune (seed {seed}): the learning rate is chosen on seed {sweep}'s control at every "
                   f"--tune-lrs rate, not all in the ledger yet; skipped", flush=True)
         for name, lr in planned + [(name, None) for name in a.tune_runs]:
-            lr = lr if lr is not None else tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, self.sweep_seed)
+            lr = lr if lr is not None else tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, sweep)
             if lr is None:
                 continue
             m = a.tune_candidates if name in PRUNING_SETTING else 0

@@ -22,7 +22,7 @@ import statistics
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from significance import Comparison, METRICS, compare, pooled, t_test_p
-from tuning import TUNE_CONTROL, tune_lr_choice
+from tuning import TUNE_CONTROL, control_rates, tune_lr_choice
 
 SUBSETS = ("valid", "test")
 SUBSET_NAMES = {"valid": "val", "test": "test"}
@@ -134,10 +134,7 @@ def tune_rate(pair: Pair) -> Optional[float]:
 def control_sweep(pair: Pair) -> Tuple[Optional[int], Dict[float, float]]:
     """The seed whose control ran at the most rates (the driver's sweep seed; None before any control) and its val
     BLEU at each of them."""
-    tried: Dict[int, Dict[float, float]] = {}
-    for row in pair.rows.values():
-        if row["stage"] == "tune" and row["method"] == TUNE_CONTROL:
-            tried.setdefault(row["seed"], {})[row["lr"]] = row["bleu"]["valid"]
+    tried = control_rates(pair.rows)
     seed = max(tried, key=lambda s: len(tried[s]), default=None)
     return seed, tried.get(seed, {})
 

@@ -21,3 +21,20 @@ def tune_lr_choice(rows: Dict[str, dict], lrs: List[float], seed: int) -> Option
     if len(val) < len(lrs):
         return None
     return max(lrs, key=lambda lr: (val[lr], -lrs.index(lr)))
+
+
+def control_rates(rows: Dict[str, dict]) -> Dict[int, Dict[float, float]]:
+    """seed -> {learning rate: val BLEU} of the control's fine-tunings to convergence in the ledger ``rows``."""
+    tried: Dict[int, Dict[float, float]] = {}
+    for row in rows.values():
+        if row["stage"] == "tune" and row["method"] == TUNE_CONTROL:
+            tried.setdefault(row["seed"], {})[row["lr"]] = row["bleu"]["valid"]
+    return tried
+
+
+def rate_seed(rows: Dict[str, dict], default: Optional[int]) -> Optional[int]:
+    """The seed the learning rate is chosen on: once the ledger ``rows`` hold a control run at several rates, the
+    seed whose control ran at the most (whatever seeds a later invocation names first); before, ``default``."""
+    tried = {seed: rates for seed, rates in control_rates(rows).items() if len(rates) > 1}
+    return max(tried, key=lambda s: len(tried[s]), default=default)
+
