@@ -428,7 +428,8 @@ def test_converged_study_fingerprints_the_prepared_data_not_where_it_was_prepare
 
 def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
     """Validations, saved checkpoints, early stopping, the training's end and the start's seconds from
-    fairseq-train's own lines; a run resumed once has one log per start, and the report's wall time adds them up."""
+    fairseq-train's own lines; a run resumed once has one log per start, its validations a curve without the ones a
+    restart repeated, and the report's wall time adds them up."""
     converged = load("multi30k_converged_driver", CONVERGED)
     log = tmp_path / "train.1.log"
     log.write_text(
@@ -452,6 +453,14 @@ def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
     empty = tmp_path / "train.2.log"
     empty.write_text("")
     assert converged.TrainLog(str(empty)).seconds == 0 and not converged.TrainLog(str(empty)).stopped_early
+    # A start stopped after its validation at update 150, before saving it: the restart from update 100 repeats it.
+    stopped, restarted = tmp_path / "train.3.log", tmp_path / "train.4.log"
+    stopped.write_text("2026-11-24 01:00:00 | INFO | valid | epoch 003 | valid on 'valid' subset | bleu 52.5 | "
+                       "num_updates 150\n")
+    restarted.write_text("2026-11-24 02:00:00 | INFO | valid | epoch 003 | valid on 'valid' subset | bleu 52.4 | "
+                         "num_updates 150\n")
+    starts = [converged.TrainLog(str(path)) for path in (log, empty, stopped, restarted)]
+    assert [(p["updates"], p["bleu"]) for p in converged.run_curve(starts)] == [(50, 52.33), (100, 52.1), (150, 52.4)]
     sys.path.insert(0, os.path.dirname(CONVERGED))
     import report
     assert report.wall_seconds({"train_s": 5.0, "train_s_starts": [100.0, 7.0]}) == 107.0

@@ -536,6 +536,16 @@ class TrainLog:
         self.seconds = (parse(last) - parse(first)).total_seconds() if first else 0.0
 
 
+def run_curve(logs: List[TrainLog]) -> List[dict]:
+    """A run's validations across its starts (``logs``, oldest first), in order of updates; one that a restart
+    repeated -- its start stopped after validating but before saving that checkpoint -- counted once, as the
+    restart's (whose training the run continued)."""
+    at = {}
+    for log in logs:
+        at.update((point["updates"], point) for point in log.curve)
+    return [at[updates] for updates in sorted(at)]
+
+
 def best_validation(curve: List[dict]) -> Optional[dict]:
     """The validation fairseq keeps as ``checkpoint_best.pt`` when every validation is saved: the highest BLEU,
     the *last* of equal ones (fairseq's ``is_better`` is ``>=`` for a maximised metric)."""
@@ -729,7 +739,7 @@ class Study:
             run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose)
         seconds = time.time() - start
         logs = [TrainLog(os.path.join(save, f)) for f in train_logs(save)]
-        curve = [p for t in logs for p in t.curve]
+        curve = run_curve(logs)
         best = best_validation(curve)
         # the best checkpoint scored; a run carried without it (carry_run) has the scores it carried instead
         scored_dir = os.path.join(save, SCORED_BEST)
