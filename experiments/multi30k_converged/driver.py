@@ -509,15 +509,14 @@ def blind_sets(blind: Optional[str]) -> Dict[str, str]:
 class TrainLog:
     """What the driver reads from one fairseq-train log (one start of a run), in one pass: every validation's
     (epoch, updates, val BLEU), the update counts at which a checkpoint was saved, whether fairseq stopped early,
-    whether its training ended (by its stopping rule or at --max-epoch), and the seconds from its first to its last
-    timestamped line (pauses included)."""
+    and the seconds from its first to its last timestamped line (pauses included)."""
 
     TIMESTAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|")
 
     def __init__(self, log_path: str):
         self.curve: List[dict] = []
         self.saved: List[int] = []
-        self.stopped_early = self.finished = False
+        self.stopped_early = False
         first = last = None  # the first and last timestamps
         with open(log_path, encoding="utf-8") as f:
             for line in f:
@@ -531,7 +530,6 @@ class TrainLog:
                                            "updates": int(fields["num_updates"]), "bleu": float(fields["bleu"])})
                 self.saved += [int(u) for u in re.findall(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", line)]
                 self.stopped_early |= "early stop since valid performance hasn't improved" in line
-                self.finished |= "fairseq_cli.train | done training in" in line
         parse = lambda stamp: datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")
         self.seconds = (parse(last) - parse(first)).total_seconds() if first else 0.0
 
@@ -712,11 +710,15 @@ class Study:
         checkpoint directory's name when it is not ``key`` (a rerun trains into its original's); ``fields``: more
         of the ledger row."""
         done = rows_by_key(self.ledger)
-        if key in done:
-            print(f"{key}: in the ledger, skipped", flush=True)
-            return done[key]
         save = os.path.join(self.args.workdir, "checkpoints", save_as or key)
         carried = os.path.join(carried_dir(self.ledger), save_as or key)
+        if key in done:
+            print(f"{key}: in the ledger, skipped", flush=True)
+            if save_as is None and os.path.isdir(carried):  # stopped between its row and removing its carry
+                # (a rerun's carry, in its original's name, may be a later rerun's: kept)
+                print(f"{key}: removing its carry {carried}", flush=True)
+                shutil.rmtree(carried)
+            return done[key]
         if carry_ahead(carried, save):
             print(f"{key}: restoring the run carried in {carried}", flush=True)
             restore_carried(carried, save)
@@ -726,10 +728,11 @@ class Study:
             print(f"{key}: continuing from {save}/{LAST}", flush=True)
         earlier = train_logs(save) if resumed else []
         start = time.time()
-        if earlier and TrainLog(os.path.join(save, earlier[-1])).finished:
-            # Its training ended and it was stopped (or carried) before it was recorded: fairseq started again
-            # would train an epoch before it checks its stopping rule again.
-            print(f"{key}: its training ended ({earlier[-1]}); recording it", flush=True)
+        if earlier and TrainLog(os.path.join(save, earlier[-1])).stopped_early:
+            # It stopped by its rule and was stopped (or carried) before it was recorded: fairseq started again
+            # would train an epoch before it checks the rule again. (A run that ended at --max-epoch continues if
+            # that was raised, or trains nothing.)
+            print(f"{key}: stopped early ({earlier[-1]}); recording it", flush=True)
         else:
             log = os.path.join(save, f"train.{int(time.time())}.log")  # one log per start: a resumed run keeps all
             cmd = [sys.executable, "-m", "fairseq_cli.train", os.path.join(self.data, "bin"), "--user-dir",
