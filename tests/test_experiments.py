@@ -864,6 +864,50 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
     assert not leftover.exists()
 
 
+def test_a_rerun_into_its_originals_folder_trains_from_scratch(tmp_path, monkeypatch):
+    """A rerun trains into its original's folder: what the recorded original left there (its last checkpoint and
+    its logs, early stop included, without its best checkpoint) is removed, not continued."""
+    import types
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    from ledger import append_row
+
+    data = tmp_path / "data"
+    (data / "ref").mkdir(parents=True)
+    (data / "ref" / "valid.fr").write_text("ref\n")
+    (data / "ref" / "valid.en").write_text("src\n")
+    ledger = tmp_path / "ledger.jsonl"
+    args = types.SimpleNamespace(ledger=str(ledger), workdir=str(tmp_path / "work"), prepared=str(data),
+                                 data=str(data), blind=None, extra_args="", verbose=False)
+    study = converged.Study(args)
+    study.blind, study.data_fingerprint = {}, "0" * 16
+    original = "pretrain.rnnsearch.seed2"
+    append_row(str(ledger), {"key": original, "stage": "pretrain", "seed": 2})
+    save = tmp_path / "work" / "checkpoints" / original
+    save.mkdir(parents=True)
+    carried_checkpoint(save / "checkpoint_last.pt", 99)
+    (save / converged.RECORDED_AS).write_text(original + "\n")
+    (save / "train.1.log").write_text("2026-01-01 00:00:00 | INFO | valid on 'valid' subset | epoch 009 | bleu 40 | "
+                                      "num_updates 99\nearly stop since valid performance hasn't improved\n")
+    commands = []
+
+    def fairseq_train(cmd, log, env=None, echo=False):
+        commands.append(cmd)
+        assert os.listdir(save) == []  # nothing of the original's left to resume
+        with open(log, "w") as f:
+            f.write("2026-01-02 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 30 | num_updates 10\n"
+                    "Saved checkpoint checkpoint_best.pt (epoch 1 @ 10 updates\n")
+        carried_checkpoint(save / "checkpoint_best.pt", 10)
+        return ""
+
+    monkeypatch.setattr(converged, "run_logged", fairseq_train)
+    monkeypatch.setattr(study, "score", lambda checkpoint, out: {"updates": 10, "bleu": {"valid": 30.0, "test": 31.0},
+                                                                "blind": {}, "hypotheses": {}})
+    row = study.train(f"{original}.rerun", "rerun", "rnnsearch", "teacher_forcing", 2, [], save_as=original)
+    assert len(commands) == 1 and not row["resumed"] and [p["updates"] for p in row["val_curve"]] == [10]
+    assert converged.recorded_as(str(save)) == f"{original}.rerun"
+
+
 @pytest.mark.slow
 def test_converged_study_runs_resumes_and_reports_on_tiny_data(tmp_path, capsys, monkeypatch):
     """The converged study's driver end to end on a toy corpus at tiny sizes: pre-training with validation

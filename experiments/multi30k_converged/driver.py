@@ -719,6 +719,12 @@ class Study:
                 print(f"{key}: removing its carry {carried}", flush=True)
                 shutil.rmtree(carried)
             return done[key]
+        held = recorded_as(save)
+        if held is not None and held != key and held in done:
+            # A recorded run's leftovers without its best checkpoint (why pretrained() trains a rerun into its
+            # original's folder): continued, they would be that run's training, or its early stop, again.
+            print(f"{key}: {save} holds what is left of {held}, recorded; training {key} from scratch", flush=True)
+            shutil.rmtree(save)
         if carry_ahead(carried, save):
             print(f"{key}: restoring the run carried in {carried}", flush=True)
             restore_carried(carried, save)
