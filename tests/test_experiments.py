@@ -790,13 +790,11 @@ def test_a_carry_is_restored_only_ahead_of_the_workdirs_own_run_and_a_recorded_r
     assert os.listdir(tmp_path / "ledger.carried") == ["pretrain.rnnsearch.seed1"]
 
 
-def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_path, monkeypatch):
-    """Study.train on a run restored with its best checkpoint scored in its place (carry_run's ``score_best``): when
-    the continued run gains nothing (no checkpoint_best.pt written), the row's BLEU, its scored update and the kept
-    hypotheses and blind translations are the carried ones; when it gains, its new best checkpoint is scored."""
+def bare_study(converged, tmp_path, blind):
+    """A converged Study on a ledger in ``tmp_path`` and a prepared-data folder holding only its references, its
+    blind sets ``blind`` (name -> source), for Study.train with fairseq faked; (study, ledger path)."""
     import types
 
-    converged = load("multi30k_converged_driver", CONVERGED)
     data = tmp_path / "data"
     (data / "ref").mkdir(parents=True)
     (data / "ref" / "valid.fr").write_text("ref\n")
@@ -805,7 +803,16 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
     args = types.SimpleNamespace(ledger=str(ledger), workdir=str(tmp_path / "work"), prepared=str(data),
                                  data=str(data), blind=None, extra_args="", verbose=False)
     study = converged.Study(args)
-    study.blind, study.data_fingerprint = {"set1": "set1.en"}, "0" * 16
+    study.blind, study.data_fingerprint = blind, "0" * 16
+    return study, ledger
+
+
+def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_path, monkeypatch):
+    """Study.train on a run restored with its best checkpoint scored in its place (carry_run's ``score_best``): when
+    the continued run gains nothing (no checkpoint_best.pt written), the row's BLEU, its scored update and the kept
+    hypotheses and blind translations are the carried ones; when it gains, its new best checkpoint is scored."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    study, ledger = bare_study(converged, tmp_path, {"set1": "set1.en"})
     key = "tune.soft_beam_paper.lr0.0005.seed1"
     save = tmp_path / "work" / "checkpoints" / key
     scored = save / "best_scored"
@@ -867,20 +874,10 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
 def test_a_rerun_into_its_originals_folder_trains_from_scratch(tmp_path, monkeypatch):
     """A rerun trains into its original's folder: what the recorded original left there (its last checkpoint and
     its logs, early stop included, without its best checkpoint) is removed, not continued."""
-    import types
-
     converged = load("multi30k_converged_driver", CONVERGED)
     from ledger import append_row
 
-    data = tmp_path / "data"
-    (data / "ref").mkdir(parents=True)
-    (data / "ref" / "valid.fr").write_text("ref\n")
-    (data / "ref" / "valid.en").write_text("src\n")
-    ledger = tmp_path / "ledger.jsonl"
-    args = types.SimpleNamespace(ledger=str(ledger), workdir=str(tmp_path / "work"), prepared=str(data),
-                                 data=str(data), blind=None, extra_args="", verbose=False)
-    study = converged.Study(args)
-    study.blind, study.data_fingerprint = {}, "0" * 16
+    study, ledger = bare_study(converged, tmp_path, {})
     original = "pretrain.rnnsearch.seed2"
     append_row(str(ledger), {"key": original, "stage": "pretrain", "seed": 2})
     save = tmp_path / "work" / "checkpoints" / original

@@ -924,10 +924,11 @@ class Study:
             return
         start_key = recorded_as(os.path.dirname(start))
         # (the ledger's, once its control has run at several rates: naming other seeds later does not move it)
-        sweep = rate_seed(rows_by_key(self.ledger), self.sweep_seed)
+        rows = rows_by_key(self.ledger)
+        sweep = rate_seed(rows, self.sweep_seed)
         lrs = a.tune_lrs if seed == sweep else []
         planned = [(TUNE_CONTROL, lr) for lr in lrs]
-        chosen = tune_lr_choice(rows_by_key(self.ledger), a.tune_lrs, sweep)
+        chosen = tune_lr_choice(rows, a.tune_lrs, sweep)
         if chosen is None and seed != sweep:
             print(f"tune (seed {seed}): the learning rate is chosen on seed {sweep}'s control at every "
                   f"--tune-lrs rate, not all in the ledger yet; skipped", flush=True)
