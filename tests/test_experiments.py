@@ -790,6 +790,44 @@ def test_a_carry_is_restored_only_ahead_of_the_workdirs_own_run_and_a_recorded_r
     assert os.listdir(tmp_path / "ledger.carried") == ["pretrain.rnnsearch.seed1"]
 
 
+def test_a_run_stopped_between_its_row_and_its_marker_is_not_carried_again(tmp_path):
+    """A stop between a run's ledger row and its ``ledger_key`` marker leaves a folder that reads as in flight:
+    recorded_unmarked finds its row by its logs' seconds, so ``carry`` leaves it, and the recorded rerun skipped
+    removes a carry of its own logs but keeps a later rerun's."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    from ledger import append_row
+
+    own = "pretrain.rnnsearch.seed1"
+    save = tmp_path / "work" / "checkpoints" / own
+    save.mkdir(parents=True)
+    carried_checkpoint(save / "checkpoint_last.pt", 50)
+    log = "2026-01-01 00:00:00 | INFO | begin\n2026-01-01 00:01:00 | INFO | done\n"  # 60 s
+    (save / "train.1.log").write_text(log)
+    study, ledger = bare_study(converged, tmp_path, {})
+    append_row(str(ledger), {"key": own, "stage": "pretrain", "train_s_starts": [600.0]})  # the original
+    rows = converged.rows_by_key(str(ledger))
+    assert converged.recorded_unmarked(str(save), rows) is None
+    study.carry()
+    assert os.listdir(tmp_path / "ledger.carried") == [own]  # in flight: carried
+    shutil.rmtree(tmp_path / "ledger.carried")
+    append_row(str(ledger), {"key": f"{own}.rerun", "stage": "rerun", "train_s_starts": [60.0, 120.0]})
+    (save / "train.2.log").write_text("2026-01-02 00:00:00 | INFO | begin\n2026-01-02 00:02:00 | INFO | done\n")
+    rows = converged.rows_by_key(str(ledger))
+    assert converged.recorded_unmarked(str(save), rows) == f"{own}.rerun"
+    study.carry()
+    assert not (tmp_path / "ledger.carried").exists()
+
+    carry = tmp_path / "ledger.carried" / own  # carried after its first start, recorded after its second
+    carry.mkdir(parents=True)
+    (carry / "train.1.log").write_text(log)
+    row = study.train(f"{own}.rerun", "rerun", "rnnsearch", "teacher_forcing", 1, [], save_as=own)
+    assert row["train_s_starts"] == [60.0, 120.0] and not carry.exists()
+    carry.mkdir()  # a later rerun's carry: kept
+    (carry / "train.3.log").write_text("2026-01-03 00:00:00 | INFO | begin\n2026-01-03 00:00:30 | INFO | done\n")
+    study.train(f"{own}.rerun", "rerun", "rnnsearch", "teacher_forcing", 1, [], save_as=own)
+    assert carry.exists()
+
+
 def bare_study(converged, tmp_path, blind):
     """A converged Study on a ledger in ``tmp_path`` and a prepared-data folder holding only its references, its
     blind sets ``blind`` (name -> source), for Study.train with fairseq faked; (study, ledger path)."""

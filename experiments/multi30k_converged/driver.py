@@ -241,6 +241,16 @@ def recorded_as(save: str) -> Optional[str]:
         return f.read().strip()
 
 
+def recorded_unmarked(save: str, rows: Dict[str, dict]) -> Optional[str]:
+    """The ledger key of the run whose checkpoints (or carry) ``save`` holds when the ledger has its row but ``save``
+    not its :data:`RECORDED_AS` (a stop between the two): the row of the folder's name or one of its reruns whose
+    starts' seconds (``train_s_starts``) begin with those of the logs in ``save``; None when none does."""
+    name = os.path.basename(os.path.normpath(save))
+    starts = [round(TrainLog(os.path.join(save, f)).seconds, 1) for f in train_logs(save)]
+    return next((key for key, row in rows.items() if starts and RERUN.sub("", key) == name
+                 and row.get("train_s_starts", [])[:len(starts)] == starts), None)
+
+
 def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -714,8 +724,9 @@ class Study:
         carried = os.path.join(carried_dir(self.ledger), save_as or key)
         if key in done:
             print(f"{key}: in the ledger, skipped", flush=True)
-            if save_as is None and os.path.isdir(carried):  # stopped between its row and removing its carry
-                # (a rerun's carry, in its original's name, may be a later rerun's: kept)
+            # stopped between its row and removing its carry (a rerun's carry, in its original's name, may be a
+            # later rerun's: removed when its logs are this run's)
+            if os.path.isdir(carried) and (save_as is None or recorded_unmarked(carried, {key: done[key]}) == key):
                 print(f"{key}: removing its carry {carried}", flush=True)
                 shutil.rmtree(carried)
             return done[key]
@@ -978,6 +989,9 @@ class Study:
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             save = os.path.join(root, name)
             if recorded_as(save) is None and os.path.exists(os.path.join(save, LAST)):
+                if recorded_unmarked(save, recorded):  # (stopped between its row and its marker)
+                    print(f"{name}: recorded as {recorded_unmarked(save, recorded)}, not carried", flush=True)
+                    continue
                 # a pre-training's best checkpoint is where the fine-tunings start: its weights are carried; any
                 # other run's, only what its record reads of it
                 starts_others = name.startswith("pretrain.")
