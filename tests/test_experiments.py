@@ -757,6 +757,27 @@ def test_a_carried_run_keeps_its_last_checkpoint_and_its_best_as_weights_or_as_s
     assert (tmp_path / "from_earlier" / "checkpoint_last.pt").read_bytes() == data
 
 
+def test_a_last_checkpoint_cut_short_in_fairseqs_copy_is_replaced_by_the_best_save_it_copied(tmp_path):
+    """repair_last (run by carry_run and before a run continues): a checkpoint_last.pt without its zip end record --
+    a stop while fairseq copied a new best save to it -- replaced by checkpoint_best.pt; a whole one left; an error
+    naming the folder when the best is not whole either."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    save = tmp_path / "save"
+    save.mkdir()
+    carried_checkpoint(save / "checkpoint_best.pt", 20)
+    carried_checkpoint(save / "checkpoint_last.pt", 10)
+    assert not converged.repair_last(str(save))  # whole: left
+    assert converged.checkpoint_updates(str(save / "checkpoint_last.pt")) == 10
+    whole = (save / "checkpoint_best.pt").read_bytes()
+    (save / "checkpoint_last.pt").write_bytes(whole[:len(whole) // 2])
+    assert converged.carry_run(str(save), str(tmp_path / "carried")) == 20
+    assert (save / "checkpoint_last.pt").read_bytes() == whole
+    (save / "checkpoint_last.pt").write_bytes(whole[:100])
+    (save / "checkpoint_best.pt").write_bytes(whole[:200])
+    with pytest.raises(SystemExit, match=f"remove {save} to train it from scratch"):
+        converged.repair_last(str(save))
+
+
 def test_a_carry_is_restored_only_ahead_of_the_workdirs_own_run_and_a_recorded_run_is_not_carried(tmp_path):
     """carry_ahead: a carry is restored into a folder without a last checkpoint or with one of fewer updates, not
     over one as far or further; ``carry`` leaves out a run in flight here that the ledger already has (recorded

@@ -110,6 +110,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 import zlib
 from typing import Dict, List, Optional
 
@@ -416,6 +417,24 @@ def carried_updates(carried: str) -> int:
         return int(f.read())
 
 
+def repair_last(save: str) -> bool:
+    """A ``checkpoint_last.pt`` cut short in checkpoint folder ``save`` replaced by the save it was being copied
+    from: fairseq writes a new best save to checkpoint_best.pt (atomically: a temporary file renamed) and then copies
+    it to checkpoint_last.pt (a plain copy), so a stop during that copy leaves the best whole and the last without
+    its zip end record. Whether it replaced one; an error when the best is not whole either."""
+    last, best = os.path.join(save, LAST), os.path.join(save, BEST_CHECKPOINT)
+    if not os.path.exists(last) or zipfile.is_zipfile(last):
+        return False
+    if not (os.path.exists(best) and zipfile.is_zipfile(best)):
+        raise SystemExit(f"multi30k_converged: {last} is cut short and there is no whole {BEST_CHECKPOINT} beside "
+                         f"it; the run cannot be continued: remove {save} to train it from scratch")
+    print(f"{save}: {LAST} is cut short (stopped while fairseq copied its best save to it): replaced by "
+          f"{BEST_CHECKPOINT}", flush=True)
+    shutil.copyfile(best, last + ".partial")
+    os.replace(last + ".partial", last)
+    return True
+
+
 def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_best=None) -> int:
     """The run in flight in checkpoint folder ``save``, copied to ``dest``: its ``checkpoint_last.pt`` (the
     optimizer's, the schedule's and the data iterator's state with the weights: ``run`` continues it as if it had
@@ -425,6 +444,7 @@ def carry_run(save: str, dest: str, part_bytes: int = CARRY_PART_BYTES, score_be
     ``score_best`` None (a pre-training: the fine-tunings start from its weights), its weights without the optimizer
     state, packed. A run carried before keeps the scores it carried. Written beside ``dest`` and then moved into
     place, so that a carry cut short leaves the previous one. Returns the updates it was carried at."""
+    repair_last(save)
     updates = checkpoint_updates(os.path.join(save, LAST))
     partial = dest + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -740,6 +760,7 @@ class Study:
             print(f"{key}: restoring the run carried in {carried}", flush=True)
             restore_carried(carried, save)
         os.makedirs(save, exist_ok=True)
+        repair_last(save)
         resumed = os.path.exists(os.path.join(save, LAST))
         if resumed:
             print(f"{key}: continuing from {save}/{LAST}", flush=True)
