@@ -778,6 +778,22 @@ def test_a_last_checkpoint_cut_short_in_fairseqs_copy_is_replaced_by_the_best_sa
         converged.repair_last(str(save))
 
 
+def test_a_runs_starts_are_ordered_by_the_checkpoint_each_continued_from(tmp_path):
+    """train_logs: a start that continued from update 139 comes after the fresh start even when its name (from the
+    clock of the machine it ran on) is earlier, and one that continued from 278 after both; starts from the same
+    checkpoint (a start stopped before its first save) keep their names' order."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    loaded = "2026-12-02 09:58:46 | INFO | fairseq.trainer | Loaded checkpoint d/ck.pt (epoch {} @ {} updates)\n"
+    begin = "2026-12-02 09:58:47 | INFO | fairseq.trainer | begin training epoch {}\n"
+    (tmp_path / "train.300.log").write_text("No existing checkpoint found d/checkpoint_last.pt\n" + begin.format(1)
+                                            + loaded.format(9, 999))  # (past its first epoch: not read)
+    (tmp_path / "train.100.log").write_text(loaded.format(2, 139) + begin.format(2))
+    (tmp_path / "train.200.log").write_text(loaded.format(3, 278) + begin.format(3))
+    (tmp_path / "train.150.log").write_text(loaded.format(3, 278))  # stopped before its first epoch began
+    (tmp_path / "other.log").write_text("")
+    assert converged.train_logs(str(tmp_path)) == ["train.300.log", "train.100.log", "train.150.log", "train.200.log"]
+
+
 def test_a_carry_is_restored_only_ahead_of_the_workdirs_own_run_and_a_recorded_run_is_not_carried(tmp_path):
     """carry_ahead: a carry is restored into a folder without a last checkpoint or with one of fewer updates, not
     over one as far or further; ``carry`` leaves out a run in flight here that the ledger already has (recorded

@@ -386,9 +386,24 @@ def write_packed(src: str, dest: str, part_bytes: int) -> None:
         write_in_parts(pack(f.read()), dest + PACKED, part_bytes)
 
 
+# fairseq-train's line for the checkpoint a start continues from (a fresh start has none)
+LOADED = re.compile(r"Loaded checkpoint \S+ \(epoch \d+ @ (\d+) updates\)")
+
+
 def train_logs(save: str) -> List[str]:
-    """The fairseq-train logs of a checkpoint folder, one per start, oldest first."""
-    return sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
+    """The fairseq-train logs of a checkpoint folder, one per start, oldest first: in order of the updates each start
+    continued from (0 for a fresh start), then of their names (``train.<time>.log``), so that a run carried between
+    machines does not rest on their clocks agreeing."""
+    def continued_from(name: str) -> int:
+        with open(os.path.join(save, name), encoding="utf-8") as f:
+            for line in f:
+                loaded = LOADED.search(line)
+                if loaded or "begin training epoch" in line:  # (read up to its first epoch, not the whole log)
+                    return int(loaded.group(1)) if loaded else 0
+        return 0
+
+    names = sorted(f for f in os.listdir(save) if f.startswith("train.") and f.endswith(".log"))
+    return sorted(names, key=continued_from)  # (stable: the names' order among starts from the same checkpoint)
 
 
 # The scores of a run's best checkpoint (``Study.score``): a folder in the checkpoint folder with scores.json (the
