@@ -247,9 +247,11 @@ def recorded_unmarked(save: str, rows: Dict[str, dict]) -> Optional[str]:
     not its :data:`RECORDED_AS` (a stop between the two): the row of the folder's name or one of its reruns whose
     starts' seconds (``train_s_starts``) begin with those of the logs in ``save``; None when none does."""
     name = os.path.basename(os.path.normpath(save))
-    starts = [round(TrainLog(os.path.join(save, f)).seconds, 1) for f in train_logs(save)]
-    return next((key for key, row in rows.items() if starts and RERUN.sub("", key) == name
-                 and row.get("train_s_starts", [])[:len(starts)] == starts), None)
+    starts = starts_seconds([TrainLog(os.path.join(save, f)) for f in train_logs(save)])
+    if not starts:
+        return None
+    return next((key for key, row in rows.items()
+                 if RERUN.sub("", key) == name and row.get("train_s_starts", [])[:len(starts)] == starts), None)
 
 
 def file_sha256(path: str) -> str:
@@ -579,6 +581,11 @@ class TrainLog:
         self.seconds = (parse(last) - parse(first)).total_seconds() if first else 0.0
 
 
+def starts_seconds(logs: List[TrainLog]) -> List[float]:
+    """A run's ``train_s_starts``: each start's seconds (``logs``, oldest first), as the row records them."""
+    return [round(t.seconds, 1) for t in logs]
+
+
 def run_curve(logs: List[TrainLog]) -> List[dict]:
     """A run's validations across its starts (``logs``, oldest first), in order of updates; one that a restart
     repeated -- its start stopped after validating but before saving that checkpoint -- counted once, as the
@@ -823,7 +830,7 @@ class Study:
                # wall seconds of this start only; "resumed": an interrupted earlier start also trained (its log
                # is kept beside this one's); "train_s_starts": every start's first-to-last log line, pauses included
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
-               "train_s_starts": [round(t.seconds, 1) for t in logs],
+               "train_s_starts": starts_seconds(logs),
                "bleu": scores["bleu"], "extra": extra + shlex.split(self.args.extra_args)}
         keep_hypotheses(self.ledger, key, {subset: os.path.join(scored_dir, path)
                                            for subset, path in scores["hypotheses"].items()}, self.tgt)
@@ -1025,8 +1032,9 @@ class Study:
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             save = os.path.join(root, name)
             if recorded_as(save) is None and os.path.exists(os.path.join(save, LAST)):
-                if recorded_unmarked(save, recorded):  # (stopped between its row and its marker)
-                    print(f"{name}: recorded as {recorded_unmarked(save, recorded)}, not carried", flush=True)
+                unmarked = recorded_unmarked(save, recorded)  # (stopped between its row and its marker)
+                if unmarked:
+                    print(f"{name}: recorded as {unmarked}, not carried", flush=True)
                     continue
                 # a pre-training's best checkpoint is where the fine-tunings start: its weights are carried; any
                 # other run's, only what its record reads of it
