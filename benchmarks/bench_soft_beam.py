@@ -1,7 +1,7 @@
 """Time per update and peak memory of ``soft_beam_search`` against ``label_smoothed_cross_entropy``.
 
 Same model, same batch (Multi30k-sized by default: 128 sentences, source 14 / target 16 tokens, an 8k joint
-vocabulary as in a sentencepiece run), the pipeline's demo-size LSTM and transformer
+vocabulary as in a sentencepiece run), the pipeline's demo-size LSTM and transformer, and RNNsearch
 (``training_step.py``). One update = criterion forward + backward + Adam step. Each configuration runs in its own
 process, so the peak memory it reports (CPU: the process's ``ru_maxrss``; GPU: ``max_memory_allocated``) is that
 configuration's own, read after its warm-up; its ratio to teacher forcing is taken in that process, against
@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from training_step import (add_batch_arguments, batch_config, build_model_and_sample,  # noqa: E402
+from training_step import (ARCHS, add_batch_arguments, batch_config, build_model_and_sample,  # noqa: E402
                            soft_beam_criterion, teacher_forcing_criterion, time_updates, warmup_updates)
 
 from softtopk_fairseq import defaults  # noqa: E402
@@ -57,7 +57,7 @@ def child(cfg):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", nargs="+", default=["lstm", "transformer"], choices=["lstm", "transformer"])
+    p.add_argument("--archs", nargs="+", default=["lstm", "transformer"], choices=list(ARCHS))
     p.add_argument("--candidates", nargs="+", type=int, default=[500, 50],
                    help="--soft-beam-candidates values to run (0 = all k*V, exact)")
     p.add_argument("--beam", type=int, default=defaults.BEAM, help="--soft-beam-size")

@@ -25,6 +25,8 @@ ARCHS = {
                         encoder_embed_dim=128, decoder_embed_dim=128, encoder_ffn_embed_dim=256,
                         decoder_ffn_embed_dim=256, encoder_attention_heads=4, decoder_attention_heads=4,
                         dropout=0.1),
+    # RNNsearch at its default sizes (the converged Multi30k study's model; embeddings 256, GRUs 256 x 2 and 512)
+    "rnnsearch": dict(arch="rnnsearch", dropout=0.1),
 }
 
 # The top-k attention variants of the demo transformer (model arguments over ARCHS["transformer"]); the first is

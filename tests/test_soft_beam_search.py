@@ -549,6 +549,40 @@ def test_sum_mode_runs_the_encoder_once_for_both_losses(arch):
         torch.testing.assert_close(a, b)
 
 
+def test_rnnsearch_projects_the_keys_once_per_encoder_output():
+    """RNNsearch's incremental decoding projects the annotations' keys once for an encoder output passed to every
+    step, as the soft beam search passes it -- its full pass's log-probabilities all the same -- and again for
+    every other one: a generator's reorder of the encoder output (here the sentences reversed at every step,
+    where the keys of the first step would be another sentence's)."""
+    d = dictionary(12)
+    model = build("rnnsearch", d).eval()
+    sample = batch(d)
+    ni = sample["net_input"]
+    bsz, T = sample["target"].shape
+    projections = []
+    model.decoder.attention.key_proj.register_forward_hook(lambda *args: projections.append(1))
+    with torch.no_grad():
+        full = model(**ni)[0]
+        run(model, sample, d, beam=3, epsilon=0.5, candidates=6)
+        assert len(projections) == 2  # one for the full pass, one for all the search's steps
+        projections.clear()
+        reverse = torch.arange(bsz - 1, -1, -1)
+        for reorder in (False, True):
+            encoder_out, state, order, steps = model.encoder(ni["src_tokens"], src_lengths=ni["src_lengths"]), {}, \
+                torch.arange(bsz), []
+            for t in range(T):
+                if reorder and t:
+                    encoder_out = model.encoder.reorder_encoder_out(encoder_out, reverse)
+                    model.decoder.reorder_incremental_state_scripting(state, reverse)
+                    order = order[reverse]
+                out = model.decoder(ni["prev_output_tokens"][order, :t + 1], encoder_out=encoder_out,
+                                    incremental_state=state)[0][:, -1]
+                steps.append(out[torch.argsort(order)])
+            assert len(projections) == (T if reorder else 1)
+            projections.clear()
+            torch.testing.assert_close(torch.stack(steps, 1), full, rtol=0, atol=1e-12)
+
+
 TOPK_ATTENTION = {"transformer_topk_attn": dict(topk_attn_k=2, topk_attn_layers="encoder-decoder,decoder-self"),
                   "lstm_topk_attn": dict(topk_attn_k=2, decoder_attention="True")}
 

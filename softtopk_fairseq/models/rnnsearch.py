@@ -8,8 +8,8 @@ original:
 * output :math:`p(y_i) \propto \exp(W_o t_i)`, :math:`t_i = \max\text{-out}_2(U_o s_{i-1} + V_o E y_{i-1} + C_o c_i)`;
 * update :math:`s_i = \mathrm{GRU}(s_{i-1}, [E y_{i-1}; c_i])`.
 
-Incremental decoding caches :math:`s` only; the reorder is an ``index_select`` on it (so the soft beam search
-mixes it). ``rnnsearch`` is a small default; ``rnnsearch_wmt14_en_fr`` has the paper's sizes (embeddings 620,
+Incremental decoding caches :math:`s`, whose reorder is an ``index_select`` (so the soft beam search mixes it),
+and :math:`U h_j` for the annotations it projects. ``rnnsearch`` is a small default; ``rnnsearch_wmt14_en_fr`` has the paper's sizes (embeddings 620,
 GRU 1000, alignment 1000, maxout 500).
 """
 from dataclasses import dataclass, field
@@ -64,8 +64,8 @@ class RNNSearchEncoder(FairseqEncoder):
 
 class RNNSearchDecoder(FairseqIncrementalDecoder):
     r"""GRU decoder with additive attention and a max-out readout (the module docstring's equations); the
-    incremental state is :math:`s` alone, so a beam reorder -- hard or the soft beam search's mixing -- is one
-    ``index_select`` on it."""
+    incremental state is :math:`s` (and the projected keys of one encoder output, which no reorder touches), so a
+    beam reorder -- hard or the soft beam search's mixing -- is one ``index_select`` on it."""
 
     def __init__(self, dictionary, embed_dim, hidden_size, context_dim, attention_dim, maxout_dim, dropout):
         super().__init__(dictionary)
@@ -89,7 +89,7 @@ class RNNSearchDecoder(FairseqIncrementalDecoder):
         annotations = encoder_out["annotations"][0]
         padding_mask = encoder_out["padding_mask"][0]
         embedded = F.dropout(self.embed_tokens(prev_output_tokens), self.dropout, self.training)
-        projected_keys = self.attention.project_keys(annotations)
+        projected_keys = self._projected_keys(annotations, incremental_state)
         cached = self.get_incremental_state(incremental_state, "cached_state") if incremental_state is not None else None
         if cached is not None:
             state = cached["state"]
@@ -107,6 +107,21 @@ class RNNSearchDecoder(FairseqIncrementalDecoder):
             self.set_incremental_state(incremental_state, "cached_state", {"state": state})
         features = F.dropout(torch.stack(readouts, 1), self.dropout, self.training)
         return features, {"attn": [torch.stack(weights, 1)]}
+
+    def _projected_keys(self, annotations: Tensor, incremental_state) -> Tensor:
+        """``U h_j`` (B, S, A) for ``annotations``. In incremental decoding it is kept in the incremental state with
+        the annotations it projects and projected again only for others: the soft beam search passes one encoder
+        output to every step, where the projection would otherwise be the largest product of a step (and of its
+        backward); fairseq's generator reorders the encoder output at every step, so it projects at every step."""
+        if incremental_state is None:
+            return self.attention.project_keys(annotations)
+        cached = self.get_incremental_state(incremental_state, "projected_keys")
+        if cached is not None and cached["annotations"] is annotations:
+            return cached["projected"]
+        projected = self.attention.project_keys(annotations)
+        self.set_incremental_state(incremental_state, "projected_keys",
+                                   {"annotations": annotations, "projected": projected})
+        return projected
 
     def output_layer(self, features):
         return self.output_projection(features)
