@@ -592,8 +592,9 @@ def tune_summary(found: dict, pairs: List[Pair]) -> List[str]:
 
 
 def tune_curves(pairs: List[Pair], path: str) -> bool:
-    """Val BLEU against updates of each fine-tuning to convergence, one panel per arm and pair, one line per seed,
-    the start's val BLEU dashed; False (nothing drawn) without runs."""
+    """Val BLEU against updates of each fine-tuning to convergence, one panel per arm and pair on shared axes (where
+    the arms part, and how long each ran), one line per seed, the start's val BLEU
+    dashed; False (nothing drawn) without runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -602,7 +603,8 @@ def tune_curves(pairs: List[Pair], path: str) -> bool:
     panels = [(pair, arm) for pair in pairs for arm in TUNE_ARMS[1:] if arm_keys(pair, "tune", arm)]
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False, sharex=True,
+                             sharey=True)
     for ax, (pair, arm) in zip(axes[0], panels):
         starts = arm_keys(pair, "tune", "start")
         for seed, key in arm_keys(pair, "tune", arm).items():
@@ -883,7 +885,9 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         ]
         if curves and page_path:
             page += [f"![Val BLEU against updates of each fine-tuning to convergence, one line per seed, the start "
-                     f"dashed]({os.path.relpath(curves, os.path.dirname(page_path))})", ""]
+                     f"dashed]({os.path.relpath(curves, os.path.dirname(page_path))})", "",
+                     "*Val BLEU (fairseq's, beam 5) at every epoch's end against updates, one panel per arm on one "
+                     "scale, one line per seed; dashed: that seed's starting checkpoint as the tables score it.*", ""]
     page += [
         "## The pre-trainings",
         "",
