@@ -568,8 +568,8 @@ def test_rnnsearch_projects_the_keys_once_per_encoder_output():
         projections.clear()
         reverse = torch.arange(bsz - 1, -1, -1)
         for reorder in (False, True):
-            encoder_out, state, order, steps = model.encoder(ni["src_tokens"], src_lengths=ni["src_lengths"]), {}, \
-                torch.arange(bsz), []
+            encoder_out = model.encoder(ni["src_tokens"], src_lengths=ni["src_lengths"])
+            state, order, steps = {}, torch.arange(bsz), []
             for t in range(T):
                 if reorder and t:
                     encoder_out = model.encoder.reorder_encoder_out(encoder_out, reverse)

@@ -9,8 +9,8 @@ original:
 * update :math:`s_i = \mathrm{GRU}(s_{i-1}, [E y_{i-1}; c_i])`.
 
 Incremental decoding caches :math:`s`, whose reorder is an ``index_select`` (so the soft beam search mixes it),
-and :math:`U h_j` for the annotations it projects. ``rnnsearch`` is a small default; ``rnnsearch_wmt14_en_fr`` has the paper's sizes (embeddings 620,
-GRU 1000, alignment 1000, maxout 500).
+and :math:`U h_j` for the annotations it projects. ``rnnsearch`` is a small default; ``rnnsearch_wmt14_en_fr``
+has the paper's sizes (embeddings 620, GRU 1000, alignment 1000, maxout 500).
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -111,8 +111,8 @@ class RNNSearchDecoder(FairseqIncrementalDecoder):
     def _projected_keys(self, annotations: Tensor, incremental_state) -> Tensor:
         """``U h_j`` (B, S, A) for ``annotations``. In incremental decoding it is kept in the incremental state with
         the annotations it projects and projected again only for others: the soft beam search passes one encoder
-        output to every step, where the projection would otherwise be the largest product of a step (and of its
-        backward); fairseq's generator reorders the encoder output at every step, so it projects at every step."""
+        output to every step, which would otherwise repeat the same product (and its backward) at each of them;
+        fairseq's generator reorders the encoder output at every step, so it projects at every step."""
         if incremental_state is None:
             return self.attention.project_keys(annotations)
         cached = self.get_incremental_state(incremental_state, "projected_keys")
