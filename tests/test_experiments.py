@@ -444,12 +444,17 @@ def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
         "2026-11-24 00:01:00 | INFO | fairseq_cli.train | early stop since valid performance hasn't improved "
         "for last 5 runs\n")
     read = converged.TrainLog(str(log))
+    assert read.code is None  # a log without the line the driver begins it with
     assert read.curve == [{"epoch": 1, "updates": 50, "bleu": 52.33}, {"epoch": 2, "updates": 100, "bleu": 52.1}]
     assert read.saved == [50] and read.stopped_early
     assert read.seconds == 38 * 60 + 10  # across midnight
     empty = tmp_path / "train.2.log"
     empty.write_text("")
     assert converged.TrainLog(str(empty)).seconds == 0 and not converged.TrainLog(str(empty)).stopped_early
+    headed = tmp_path / "train.5.log"
+    headed.write_text(converged.TrainLog.CODE_LINE.format("0123abc+uncommitted") + log.read_text())
+    assert converged.TrainLog(str(headed)).code == "0123abc+uncommitted"
+    assert converged.TrainLog(str(headed)).curve == read.curve
     # A start stopped after its validation at update 150, before saving it: the restart from update 100 repeats it.
     stopped, restarted = tmp_path / "train.3.log", tmp_path / "train.4.log"
     stopped.write_text("2026-11-24 01:00:00 | INFO | valid | epoch 003 | valid on 'valid' subset | bleu 52.5 | "
@@ -462,6 +467,29 @@ def test_converged_study_reads_a_train_log_in_one_pass(tmp_path):
     import report
     assert report.wall_seconds({"train_s": 5.0, "train_s_starts": [100.0, 7.0]}) == 107.0
     assert report.wall_seconds({"train_s": 5.0}) == 5.0  # rows written before the field existed
+
+
+def test_a_runs_code_commit_is_its_snapshots_file_or_gits_head_marked_when_a_tracked_file_changed(tmp_path):
+    """code_commit: a snapshot's COMMIT file (background.sh writes one: a snapshot has no git history); else git's
+    HEAD, ``+uncommitted`` when a tracked file differs from it (untracked files do not count); else None."""
+    converged = load("multi30k_converged_driver", CONVERGED)
+    snapshot_dir, repo, plain = tmp_path / "snapshot", tmp_path / "repo", tmp_path / "plain"
+    for folder in (snapshot_dir, repo, plain):
+        folder.mkdir()
+    (snapshot_dir / converged.COMMIT_FILE).write_text("feedc0de\n")
+    assert converged.code_commit(str(snapshot_dir)) == "feedc0de"
+    assert converged.code_commit(str(plain)) is None
+    git = lambda *args: subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                                       check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (repo / "tracked.py").write_text("a = 1\n")
+    git("add", "tracked.py")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD")
+    (repo / "untracked.py").write_text("b = 2\n")
+    assert converged.code_commit(str(repo)) == head
+    (repo / "tracked.py").write_text("a = 2\n")
+    assert converged.code_commit(str(repo)) == head + "+uncommitted"
 
 
 def test_converged_study_trains_with_the_criterions_current_flags():
@@ -611,7 +639,9 @@ def test_converged_study_records_resumes_refuses_and_translates_the_blind_sets(t
 def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     """``carry`` keeps a run in flight beside the ledger (a run whose best checkpoint is its last carries one
     checkpoint); ``run`` in a workdir without its checkpoints restores it, continues from its last epoch -- one
-    log per start, the carried epoch's validation in the row's curve -- and removes it once the row is recorded."""
+    log per start, the carried epoch's validation in the row's curve, each start's commit -- and removes it once the
+    row is recorded."""
+    converged = load("multi30k_converged_driver", CONVERGED)
     data = toy_raw_data(tmp_path / "raw")
     ledger = tmp_path / "ledger.jsonl"
     common = ["--data", str(data), "--workdir", str(tmp_path / "work"), "--ledger", str(ledger), "--bpe-size", "90",
@@ -634,6 +664,7 @@ def test_converged_study_carries_a_run_in_flight_to_another_machine(tmp_path):
     with open(ledger) as f:
         row, = [json.loads(line) for line in f]
     assert row["key"] == key and row["resumed"] and len(row["train_s_starts"]) == 2
+    assert row["code_starts"] == [converged.code_commit(REPO)] * 2  # each start's commit, from its log
     assert [p["epoch"] for p in row["val_curve"]] == [1, 2] and row["epochs"] == 2
     assert not carried.exists() and os.listdir(tmp_path / "ledger.starts") == [f"{key}.pt"]
     assert "0 run(s) in flight carried" in script(CONVERGED, "carry", *common)

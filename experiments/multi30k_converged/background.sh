@@ -35,6 +35,7 @@ start)
     bash "$root/scripts/setup_env.sh"
     rm -rf "$work/code" && mkdir -p "$work/code"
     git -C "$root" archive HEAD | tar -x -C "$work/code"
+    git -C "$root" rev-parse HEAD > "$work/code/COMMIT"  # (the driver's COMMIT_FILE: each start's log records it)
     # (PYTHONPATH: fairseq-train would import the checkout's package, installed in the venv in place of the snapshot's)
     OMP_NUM_THREADS=${THREADS:-2} PATH="$root/.venv/bin:$PATH" PYTHONPATH="$work/code" \
         setsid "${cmd[@]}" >> "$work/en_$pair.log" 2>&1 &

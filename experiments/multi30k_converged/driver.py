@@ -72,7 +72,8 @@ decoding, into ``LEDGER.blind/KEY.NAME.TGT.gz``, also before its ledger row; the
 nothing here reads them back. ``blind`` translates them for ledger runs whose checkpoints are in the workdir and
 lack them. Ledger record: key, stage, arch, method, seed, updates, epochs, converged, the val BLEU curve, val/test
 BLEU, wall seconds (``train_s``: the start that finished; ``train_s_starts``: each start's, from its log), the
-exact extra arguments, the pair and the prepared data's fingerprint.
+commit of the code each start trained with (``code_starts``, from its log's first line), the exact extra arguments,
+the pair and the prepared data's fingerprint.
 
 A run longer than the machine it trains on is carried to the next: ``carry`` (the runs stopped first) keeps every
 run in flight in the workdir beside the ledger (``LEDGER.carried/FOLDER/``: its last checkpoint with the optimizer's,
@@ -553,12 +554,32 @@ def blind_sets(blind: Optional[str]) -> Dict[str, str]:
             if name.endswith(f".{SRC}")}
 
 
+# The commit of the code a run trains with: a snapshot without git history (background.sh's) holds it in this file.
+COMMIT_FILE = "COMMIT"
+
+
+def code_commit(root: str = REPO_ROOT) -> Optional[str]:
+    """The commit of the code in ``root``: its :data:`COMMIT_FILE`, else git's HEAD, with ``+uncommitted`` when a
+    tracked file differs from it; None when neither tells."""
+    if os.path.exists(os.path.join(root, COMMIT_FILE)):
+        with open(os.path.join(root, COMMIT_FILE), encoding="utf-8") as f:
+            return f.read().strip() or None
+    git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return None
+    changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+uncommitted" if changed else "")
+
+
 class TrainLog:
-    """What the driver reads from one fairseq-train log (one start of a run), in one pass: every validation's
-    (epoch, updates, val BLEU), the update counts at which a checkpoint was saved, whether fairseq stopped early,
-    and the seconds from its first to its last timestamped line (pauses included)."""
+    """What the driver reads from one fairseq-train log (one start of a run), in one pass: the commit of the code
+    it trained with (its first line, :data:`CODE_LINE`; None for a log without it), every validation's (epoch,
+    updates, val BLEU), the update counts at which a checkpoint was saved, whether fairseq stopped early, and the
+    seconds from its first to its last timestamped line (pauses included)."""
 
     TIMESTAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|")
+    CODE_LINE = "code: {}\n"
 
     def __init__(self, log_path: str):
         self.curve: List[dict] = []
@@ -566,6 +587,9 @@ class TrainLog:
         self.stopped_early = False
         first = last = None  # the first and last timestamps
         with open(log_path, encoding="utf-8") as f:
+            code = re.fullmatch(self.CODE_LINE.format(r"(\S+)"), f.readline())
+            self.code: Optional[str] = code and code.group(1)
+            f.seek(0)
             for line in f:
                 stamp = self.TIMESTAMP.match(line)
                 if stamp:
@@ -799,7 +823,9 @@ class Study:
                    os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
                    *shlex.split(self.args.extra_args)]
             # fairseq's own deprecation warnings filtered (quiet_warnings_env), every other warning kept in the log
-            run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose)
+            commit = code_commit()
+            run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose,
+                       header=TrainLog.CODE_LINE.format(commit) if commit else "")
         seconds = time.time() - start
         logs = [TrainLog(os.path.join(save, f)) for f in train_logs(save)]
         curve = run_curve(logs)
@@ -831,6 +857,8 @@ class Study:
                # is kept beside this one's); "train_s_starts": every start's first-to-last log line, pauses included
                "val_curve": curve, "train_s": round(seconds, 1), "resumed": resumed,
                "train_s_starts": starts_seconds(logs),
+               # the commit each start trained with (None: a start whose log predates recording it)
+               "code_starts": [t.code for t in logs],
                "bleu": scores["bleu"], "extra": extra + shlex.split(self.args.extra_args)}
         keep_hypotheses(self.ledger, key, {subset: os.path.join(scored_dir, path)
                                            for subset, path in scores["hypotheses"].items()}, self.tgt)

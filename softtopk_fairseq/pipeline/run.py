@@ -154,9 +154,10 @@ class Stage:
             print(f"== {self.label}: done in {self.seconds:.1f} s ==", flush=True)
 
 
-def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None, echo: bool = True) -> str:
-    """Run ``cmd``, streaming its output to ``log_path`` (and to stdout when ``echo``); return the output;
-    raise on failure, quoting the end of the log when it was not echoed."""
+def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None, echo: bool = True,
+               header: str = "") -> str:
+    """Run ``cmd``, streaming its output to ``log_path`` (and to stdout when ``echo``), after ``header`` (lines
+    the log begins with); return the output; raise on failure, quoting the end of the log when it was not echoed."""
     print("$ " + " ".join(cmd) + ("" if echo else f"  (output: {log_path})"), flush=True)
     # A Python child writing into a pipe, and our log file, would buffer in 8 KiB blocks: unbuffered child and
     # line-buffered log, so the log (tail -f) and the terminal follow the run line by line.
@@ -165,6 +166,7 @@ def run_logged(cmd: List[str], log_path: str, env: Optional[dict] = None, echo: 
     with open(log_path, "w", encoding="utf-8", buffering=1) as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
     ) as proc:
+        log.write(header)
         for line in proc.stdout:
             if echo:
                 sys.stdout.write(line)
