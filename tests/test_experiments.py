@@ -935,9 +935,9 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
                                       "2026-01-01 00:01:00 | INFO | valid on 'valid' subset | epoch 002 | bleu 51 "
                                       "| num_updates 20\nSaved checkpoint checkpoint_last.pt (epoch 2 @ 20 updates\n")
 
-    def fairseq_train(cmd, log, env=None, echo=False, gain=False):  # the continued run's third epoch
+    def fairseq_train(cmd, log, env=None, echo=False, header="", gain=False):  # the continued run's third epoch
         with open(log, "w") as f:
-            f.write(f"2026-01-01 00:02:00 | INFO | valid on 'valid' subset | epoch 003 | bleu {52 if gain else 50} "
+            f.write(header + f"2026-01-01 00:02:00 | INFO | valid on 'valid' subset | epoch 003 | bleu {52 if gain else 50} "
                     "| num_updates 30\nSaved checkpoint checkpoint_last.pt (epoch 3 @ 30 updates\n"
                     "early stop since valid performance hasn't improved\n")
         carried_checkpoint(save / "checkpoint_last.pt", 30)
@@ -994,11 +994,11 @@ def test_a_rerun_into_its_originals_folder_trains_from_scratch(tmp_path, monkeyp
                                       "num_updates 99\nearly stop since valid performance hasn't improved\n")
     commands = []
 
-    def fairseq_train(cmd, log, env=None, echo=False):
+    def fairseq_train(cmd, log, env=None, echo=False, header=""):
         commands.append(cmd)
         assert os.listdir(save) == []  # nothing of the original's left to resume
         with open(log, "w") as f:
-            f.write("2026-01-02 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 30 | num_updates 10\n"
+            f.write(header + "2026-01-02 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 30 | num_updates 10\n"
                     "Saved checkpoint checkpoint_best.pt (epoch 1 @ 10 updates\n")
         carried_checkpoint(save / "checkpoint_best.pt", 10)
         return ""
