@@ -937,8 +937,9 @@ def test_a_run_carried_with_its_best_scored_is_recorded_from_those_scores(tmp_pa
 
     def fairseq_train(cmd, log, env=None, echo=False, header="", gain=False):  # the continued run's third epoch
         with open(log, "w") as f:
-            f.write(header + f"2026-01-01 00:02:00 | INFO | valid on 'valid' subset | epoch 003 | bleu {52 if gain else 50} "
-                    "| num_updates 30\nSaved checkpoint checkpoint_last.pt (epoch 3 @ 30 updates\n"
+            f.write(header + "2026-01-01 00:02:00 | INFO | valid on 'valid' subset | epoch 003 | "
+                    f"bleu {52 if gain else 50} | num_updates 30\n"
+                    "Saved checkpoint checkpoint_last.pt (epoch 3 @ 30 updates\n"
                     "early stop since valid performance hasn't improved\n")
         carried_checkpoint(save / "checkpoint_last.pt", 30)
         if gain:
@@ -998,8 +999,8 @@ def test_a_rerun_into_its_originals_folder_trains_from_scratch(tmp_path, monkeyp
         commands.append(cmd)
         assert os.listdir(save) == []  # nothing of the original's left to resume
         with open(log, "w") as f:
-            f.write(header + "2026-01-02 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 30 | num_updates 10\n"
-                    "Saved checkpoint checkpoint_best.pt (epoch 1 @ 10 updates\n")
+            f.write(header + "2026-01-02 00:00:00 | INFO | valid on 'valid' subset | epoch 001 | bleu 30 | "
+                    "num_updates 10\nSaved checkpoint checkpoint_best.pt (epoch 1 @ 10 updates\n")
         carried_checkpoint(save / "checkpoint_best.pt", 10)
         return ""
 
