@@ -1,7 +1,9 @@
 """The documentation as a product: every relative link and anchor resolves, every code block marked
 ``<!-- runnable -->`` runs (the blocks of one page in order, in one namespace), the documented flags of the
-criterion and of the top-k attention architectures are exactly the registered ones with their defaults, the README
+criterion and of the top-k attention architectures are exactly the registered ones with their defaults, every figure
+that a summary (the README's findings, the results index) quotes is on the results page it summarises, the README
 stays short, and no page speaks of the work's history."""
+from decimal import ROUND_HALF_UP, Decimal
 import os
 import re
 import unicodedata
@@ -104,6 +106,57 @@ def test_the_attention_archs_documented_flags_are_their_registered_ones():
     from softtopk_fairseq.models.topk_attention import TransformerTopkAttentionConfig
 
     _check_table("topk_attention.md", [f for f in fields(TransformerTopkAttentionConfig) if not f.name.startswith("_")])
+
+
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:-{NUMBER})?(?![\w.])")  # 0.73, 5,116, 2.3-2.5 (a range is one figure)
+RESULTS_PAGE = re.compile(r"\]\(((?:docs/results/|examples/)?[\w/]+\.md)[#)]")
+
+
+def _figures(text: str) -> set:
+    return set(FIGURE.findall(text))
+
+
+def _rounds_to(precise: str, quoted: str) -> bool:
+    """``precise`` (a page's figure) shown at ``quoted``'s decimals is ``quoted`` (0.405 quoted as 0.41)."""
+    places = Decimal(quoted.replace(",", "")).as_tuple().exponent
+    if len(precise.partition(".")[2]) < -places:
+        return False
+    return Decimal(precise.replace(",", "")).quantize(Decimal(1).scaleb(places), ROUND_HALF_UP) == \
+        Decimal(quoted.replace(",", ""))
+
+
+def _unquoted(quoted_in: str, pages) -> list:
+    """The figures of ``quoted_in`` found on none of ``pages``, as written there or rounded from a more precise one."""
+    on_pages = _figures("".join(_read(os.path.join(REPO, page)) for page in pages))
+    by_parts = [figure.split("-") for figure in on_pages]
+    return [figure for figure in sorted(_figures(quoted_in)) if figure not in on_pages and not any(
+        len(parts) == len(figure.split("-")) and all(map(_rounds_to, parts, figure.split("-"))) for parts in by_parts)]
+
+
+def _summary_rows(page: str, default_pages=()):
+    """``(answer cell, the results pages it summarises)`` for each row of a page's question-and-answer tables: the
+    pages the row links, or else ``default_pages``."""
+    for line in _read(os.path.join(REPO, page)).splitlines():
+        cells = line.split("|")
+        question = cells[1].strip() if len(cells) >= 4 and line.startswith("| ") else "-"
+        if set(question) <= {"-"} or question == "question":
+            continue  # not a row, the rule or the header
+        linked = [os.path.normpath(os.path.join(os.path.dirname(page), link)) for link in RESULTS_PAGE.findall(line)]
+        answer = re.sub(r"\[[^\]]*\]\([^)]*\)", "", "|".join(cells[2:]))  # the answer without its links' text
+        yield answer, linked or list(default_pages)
+
+
+@pytest.mark.parametrize("summary, default_pages", [("README.md", ["docs/results/multi30k_converged.md"]),
+                                                    ("docs/results/README.md", [])])
+def test_every_figure_a_summary_quotes_is_on_the_page_it_summarises(summary, default_pages):
+    """A figure re-measured on its results page and left stale in a summary is caught here (the README's findings
+    rows without a link of their own summarise the converged study, linked above the table)."""
+    rows = list(_summary_rows(summary, default_pages))
+    assert len(rows) >= 5, f"{summary}: its summary table was not found"
+    stale = [(pages, figure) for answer, pages in rows for figure in _unquoted(answer, pages)]
+    assert all(pages for _, pages in rows), f"{summary}: a row summarises no page"
+    assert not stale, f"{summary}: figures on none of the pages they summarise: {stale}"
 
 
 def test_the_readme_is_at_most_8_kb():
