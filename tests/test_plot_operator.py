@@ -1,4 +1,5 @@
 """The Figure 3 / Figure 7 script: its data has the properties the pictures claim, and it writes both files."""
+import pytest
 import torch
 
 from softtopk_fairseq.tools import plot_operator
@@ -62,3 +63,36 @@ def test_plot_attention_draws_every_attention_mode(tmp_path):
 
     plot_attention.plot({mode: torch.rand(3, 4) for mode in relaxations.names("attention")}, list("abcd"), list("xyz"), str(tmp_path / "a.png"))
     assert (tmp_path / "a.png").exists()
+
+
+
+@pytest.mark.parametrize("tool", ["plot_attention", "plot_operator"])
+def test_every_command_a_tools_docstring_shows_parses(tool):
+    """The usage lines at the top of a tool's ``--help`` are commands its parser takes."""
+    import importlib
+    import shlex
+
+    module = importlib.import_module(f"softtopk_fairseq.tools.{tool}")
+    prog = f"python -m softtopk_fairseq.tools.{tool}"
+    lines = module.__doc__.replace("\\\n", " ").splitlines()  # a command continued with a backslash: one line
+    commands = [line.split(prog, 1)[1] for line in lines if prog in line]
+    assert commands, f"{tool}: no usage line in its docstring"
+    for command in commands:
+        module.parser().parse_args(shlex.split(command))
+
+
+def test_plot_attention_takes_the_modes_earlier_names_and_refuses_others(capsys, monkeypatch):
+    from softtopk_fairseq.modules import relaxations
+    from softtopk_fairseq.tools import plot_attention
+
+    monkeypatch.setattr(relaxations, "_warned", set())
+    required = ["--path", "c", "--data", "d"]
+    with pytest.warns(FutureWarning) as warned:
+        args = plot_attention.parser().parse_args(required + ["--modes", "softmax", "soft", "hard"])
+    assert args.modes == ["softmax", "soft_topk", "hard_topk"]
+    renamed = [("soft", "soft_topk"), ("hard", "hard_topk")]
+    assert [str(w.message) for w in warned] == [
+        f"plot_attention --modes: {old!r} is the old name of {new!r}; it will be removed" for old, new in renamed]
+    with pytest.raises(SystemExit):
+        plot_attention.parser().parse_args(required + ["--modes", "sparsemax"])
+    assert "plot_attention --modes must be one of" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 softmax, SOFT top-k, hard top-k (and the perturbed top-k's one random draw) -- like Figure 6 of the paper.
 
     python -m softtopk_fairseq.tools.plot_attention --path CKPT --data DATA_BIN --subset test --index 3 \\
-        --modes softmax soft hard --out attention.png
+        --modes softmax soft_topk hard_topk --out attention.png
     python -m softtopk_fairseq.tools.plot_attention --path CKPT --data DATA_BIN \\
         --source "a man is near the house ." --target "un homme est près de la maison ."
 
@@ -88,7 +88,15 @@ def plot(maps: Dict[str, torch.Tensor], src_tokens: List[str], tgt_tokens: List[
     plt.close(fig)
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
+def attention_mode(name: str) -> str:
+    """``--modes``' type: an attention relaxation's name, an earlier version's resolved (with a warning)."""
+    try:
+        return relaxations.resolve(name, "attention", "plot_attention --modes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m softtopk_fairseq.tools.plot_attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True, help="checkpoint")
@@ -97,9 +105,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
     p.add_argument("--index", type=int, default=0, help="sentence id in --subset")
     p.add_argument("--source", help="a source sentence instead of --subset/--index (model tokens)")
     p.add_argument("--target", help="its target sentence (model tokens)")
-    p.add_argument("--modes", nargs="+", default=["softmax", "soft_topk", "hard_topk"], choices=relaxations.names("attention"),
+    p.add_argument("--modes", nargs="+", default=["softmax", "soft_topk", "hard_topk"], type=attention_mode,
+                   metavar="{" + ",".join(relaxations.names("attention")) + "}",
                    help="panels, one per attention mode (perturbed: one random draw)")
     p.add_argument("--out", default="attention.png")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
+    p = parser()
     a = p.parse_args(argv)
     if (a.source is None) != (a.target is None):
         p.error("give --source and --target together")

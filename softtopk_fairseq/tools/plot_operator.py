@@ -100,14 +100,18 @@ def draw(out_dir: str, epsilons: List[float], fig7_epsilon: float, scaling: str)
     return paths
 
 
-def main(argv=None) -> Dict[str, str]:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m softtopk_fairseq.tools.plot_operator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/figures")
     p.add_argument("--scaling", choices=["paper", "none"], default="paper")
     p.add_argument("--epsilons", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1])
     p.add_argument("--fig7-epsilon", type=float, default=1.0, help="temperature (score units) of Figure 7's top row")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Dict[str, str]:
+    args = parser().parse_args(argv)
     paths = draw(args.out, args.epsilons, args.fig7_epsilon, args.scaling)
     for path in paths.values():
         print(path)
