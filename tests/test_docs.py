@@ -181,3 +181,47 @@ def test_no_page_speaks_of_the_works_history():
                 if HISTORY.search(line.replace('scope="session"', "")):
                     found.append(f"{_rel(path)}:{number}: {line.strip()[:100]}")
     assert not found, "\n".join(found[:20])
+
+
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.S | re.M)
+FAIRSEQ_COMMAND = re.compile(r"\bfairseq-(train|generate|interactive)\s+([^\n|<>;&]*)")  # up to a pipe or redirect
+
+
+def _fairseq_commands():
+    """``(page, program, arguments)`` of every ``fairseq-train``/``-generate``/``-interactive`` command in a shell
+    block of the docs (lines continued with a backslash joined; the plugin's user dir for any way of writing it;
+    another shell variable as a placeholder; ``...``, "and the rest", dropped)."""
+    import shlex
+
+    user_dir = os.path.join(REPO, "user_dir")
+    found = []
+    for page in PAGES:
+        for block in SHELL_BLOCK.findall(_read(page)):
+            block = re.sub(r"--user-dir\s+(\"\$\(python -c '[^']*'\)\"|\$USER_DIR)", f"--user-dir {user_dir}",
+                           re.sub(r"(^|\s)#.*", "", block).replace("\\\n", " "))  # comments dropped
+            for program, arguments in FAIRSEQ_COMMAND.findall(block):
+                arguments = re.sub(r"\$\{?(\w+)\}?", lambda m: m.group(1).lower(), arguments)
+                found.append((_rel(page), program, [a for a in shlex.split(arguments) if a != "..."]))
+    return found
+
+
+def test_the_docs_fairseq_commands_parse_and_fine_tune_into_a_save_dir_of_their_own():
+    """Each documented fairseq command is one fairseq's parser takes, with the plugin's flags and choices; and a
+    fine-tuning names its own ``--save-dir``: fairseq 0.12 ignores ``--finetune-from-model`` when the save dir
+    (default ``checkpoints/``, where the pre-training saved) holds a ``checkpoint_last.pt``, and would continue the
+    pre-training instead, already past the fine-tuning's ``--max-epoch``."""
+    from fairseq import options
+
+    parsers = {"train": options.get_training_parser, "generate": options.get_generation_parser,
+               "interactive": lambda: options.get_interactive_generation_parser()}
+    commands = _fairseq_commands()
+    assert {program for _, program, _ in commands} >= {"train", "generate"}, commands
+    for page, program, arguments in commands:
+        if program == "train" and "--arch" not in arguments:  # an excerpt ("..."): its flags, on fairseq's default
+            arguments = arguments + ["--arch", "transformer"]
+        try:
+            options.parse_args_and_arch(parsers[program](), arguments)
+        except SystemExit:
+            pytest.fail(f"{page}: fairseq-{program} {' '.join(arguments)}: fairseq's parser refuses it")
+        if "--finetune-from-model" in arguments:
+            assert "--save-dir" in arguments, f"{page}: a fine-tuning without a --save-dir of its own: {arguments}"
