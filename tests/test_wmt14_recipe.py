@@ -119,8 +119,10 @@ def test_recipe_trains_fine_tunes_and_evaluates(prepared):
     assert "num_updates 3" in out or "num_updates=3" in out
     pretrained = ckpt / "tf" / "checkpoint_last.pt"
     out = _run("bash", os.path.join(RECIPE, "finetune_soft_beam.sh"), dest, pretrained, ckpt / "soft_beam",
-               *TINY_TRAIN, "--max-update", 2, "--soft-beam-size", 2, "--soft-beam-candidates", 8)
+               *TINY_TRAIN, "--max-update", 2, "--soft-beam-size", 2, "--soft-beam-candidates", 8,
+               "--soft-beam-epsilon", 0.05)  # (the flag as documented overrides the script's)
     assert "soft_loss" in out and "loaded checkpoint" in out.lower()
+    assert "soft_beam_epsilon=0.05" in out.replace("'", "").replace(": ", "=") and "old name" not in out
     out = _run("bash", os.path.join(RECIPE, "train_topk_attn.sh"), dest, ckpt / "topk_attn", *TINY_TRAIN,
                "--max-update", 2)
     assert "rnnsearch_topk_attn" in out

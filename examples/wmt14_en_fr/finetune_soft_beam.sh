@@ -5,8 +5,8 @@
 #
 #   bash examples/wmt14_en_fr/finetune_soft_beam.sh DEST PRETRAINED_CHECKPOINT SAVE_DIR [extra arguments]
 #
-# Extra arguments come last and override these (e.g. --teacher-forcing-ratio 0.9 --soft-topk-epsilon 0.05,
-# --soft-topk-method softmax_k_times for the Goyal et al. baseline, or the sizes the checkpoint was trained with).
+# Extra arguments come last and override these (e.g. --teacher-forcing-ratio 0.9 --soft-beam-epsilon 0.05,
+# --soft-beam-relaxation softmax_k_times for the Goyal et al. baseline, or the sizes the checkpoint was trained with).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 if [ $# -lt 3 ]; then sed -n 2,10p "$0"; exit 2; fi
@@ -18,7 +18,7 @@ if [ ! -f "$PRETRAINED" ]; then echo "error: checkpoint $PRETRAINED not found (r
     --arch rnnsearch_wmt14_en_fr --dropout 0.3 \
     --restore-file "$PRETRAINED" --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader \
     --criterion soft_beam_search --label-smoothing 0.1 --teacher-forcing-ratio 0.8 \
-    --soft-beam-size 5 --soft-topk-epsilon 0.1 --soft-topk-scaling paper --soft-beam-candidates 50 \
+    --soft-beam-size 5 --soft-beam-epsilon 0.1 --soft-beam-scaling paper --soft-beam-candidates 50 \
     --optimizer sgd --lr 0.05 --clip-norm 5.0 --lr-scheduler fixed \
     --max-update 100000 --max-tokens 4096 --batch-size 80 "${KEEP_LAST_BATCH[@]}" \
     --save-dir "$SAVE_DIR" --save-interval-updates 10000 --keep-interval-updates 5 --no-epoch-checkpoints \
