@@ -374,8 +374,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         if steps:
             iters = sum(log.get("soft_topk_iters", 0) for log in logging_outputs)
             metrics.log_scalar("soft_topk_iters", iters / steps, steps, round=2)
-            # Each batch logs its largest marginal error; summing across workers (logs must be summable)
-            # keeps it an upper bound.
+            # Each batch logs its largest marginal error; summing across workers (logs must be summable) keeps it
+            # an upper bound for the update. The meter averages these bounds over the logged updates (weighted by
+            # steps): a typical update's bound, not the interval's largest.
             metrics.log_scalar("soft_topk_err", sum(log.get("soft_topk_err_max", 0) for log in logging_outputs),
                                steps, round=8)
             # Rows the solver left at --soft-topk-max-iter above --soft-topk-tol, per step (mostly 0).
