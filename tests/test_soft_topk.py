@@ -309,6 +309,18 @@ def test_the_public_temperature_helpers_check_their_arguments():
     assert torch.equal(divide_by_temperature(x, torch.full((3,), 2.0)), x / 2)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_a_fused_backend_named_with_sinkhorn_is_refused_and_auto_runs_it(backend):
+    """The fused kernels solve by Newton only: naming one with method="sinkhorn" raises (it ran the PyTorch path
+    silently, a float64 call included, which the same backend refuses with Newton); auto and torch run it."""
+    x = torch.randn(2, 6)
+    for scores in (x, x.double()):
+        with pytest.raises(ValueError, match=f"soft_topk: the fused kernels \\(backend='{backend}'\\) solve by "
+                                             "Newton's method, not method='sinkhorn'; use backend='torch' or 'auto'"):
+            soft_topk(scores, 2, method="sinkhorn", backend=backend)
+    torch.testing.assert_close(soft_topk(x, 2, method="sinkhorn"), soft_topk(x, 2, method="sinkhorn", backend="torch"))
+
+
 def test_perturbed_topk_refuses_a_generator_that_is_not_one():
     with pytest.raises(TypeError, match="perturbed_topk: generator must be a torch.Generator or None, got int"):
         perturbed_topk(torch.randn(2, 4), 2, generator=3)

@@ -299,6 +299,9 @@ def _validate(scores, k, epsilon, scaling, method, backend, mask, dim, tol, max_
         raise ValueError(f"soft_topk: method must be one of {METHODS}, got {method!r}")
     if backend not in BACKENDS:
         raise ValueError(f"soft_topk: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in backends.FUSED and method != "newton":
+        raise ValueError(f"soft_topk: the fused kernels (backend={backend!r}) solve by Newton's method, not "
+                         f"method={method!r}; use backend='torch' or 'auto' for it")
 
 
 class _PaperTemperature(torch.autograd.Function):
@@ -431,7 +434,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
             Algorithm 1 in the log domain; with ``tol=0`` it runs exactly ``max_iter`` iterations).
         backend: ``"auto"`` (fused kernels for float32 tensors -- Triton on CUDA when triton is
             installed, C on CPU when a C compiler is (see ``cpu_kernels``) -- PyTorch otherwise),
-            ``"torch"``, ``"triton"`` or ``"cpu"`` (both float32 only; ``"triton"`` with
+            ``"torch"``, ``"triton"`` or ``"cpu"`` (both float32 and Newton only; ``"triton"`` with
             ``TRITON_INTERPRET=1`` also runs on CPU tensors, slowly -- for tests).
         check_errors: ``True``: raise on refused scores and warn when a row hits ``max_iter``, each check one
             synchronisation on a GPU (a value read back). ``False``, like the ``check_errors`` of
