@@ -232,6 +232,28 @@ def test_a_beam_the_vocabulary_cannot_fill_and_foreign_special_tokens_are_refuse
         SoftBeamSearchCriterion(TinyTask(d), SoftBeamSearchConfig(sentence_avg=False, soft_beam_size=5))
 
 
+def test_a_target_that_is_not_token_rows_is_refused_naming_what_it_is_before_the_encoder_runs():
+    """A float or 3-d target failed deep inside (gather's dtype, an unpacking); an all-pad row was "empty target"
+    without saying which."""
+    d = dictionary()
+    model, sample = build("lstm", d), batch(d)
+    model.encoder.forward = None  # (the search must not reach it)
+    ni, target = sample["net_input"], sample["target"]
+
+    def search(target):
+        return soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], target, pad=d.pad(), eos=d.eos(), beam=2)
+
+    with pytest.raises(TypeError, match="soft_beam_search: target must hold integer token ids, got torch.float32"):
+        search(target.float())
+    with pytest.raises(ValueError, match=r"soft_beam_search: target must be a \(bsz, T\) tensor of gold token ids, "
+                                         rf"got \({target.shape[0]}, {target.shape[1]}, 1\)"):
+        search(target.unsqueeze(-1))
+    emptied = target.clone()
+    emptied[[0, 2]] = d.pad()
+    with pytest.raises(ValueError, match=rf"soft_beam_search: target rows \[0, 2\] are empty \(all pad={d.pad()}\)"):
+        search(emptied)
+
+
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
     with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
                                          r"exactly --soft-topk-max-iter steps\), got -1.0; --soft-topk-max-iter must "

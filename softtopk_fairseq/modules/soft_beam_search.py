@@ -452,11 +452,18 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
     else:
         relax = relaxations.make(relaxation, USE, k, epsilon, where="soft_beam_search: relaxation", scaling=scaling,
                                  tol=tol, max_iter=max_iter, samples=samples)
+    if not isinstance(target, torch.Tensor) or target.dim() != 2:
+        raise ValueError(f"soft_beam_search: target must be a (bsz, T) tensor of gold token ids, got "
+                         f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"soft_beam_search: target must hold integer token ids, got {target.dtype}")
     bsz, T = target.shape
     device = target.device
     lengths = target.ne(pad).sum(1)  # incl. eos
     if bool((lengths < 1).any()):
-        raise ValueError("soft_beam_search: empty target")
+        empty = (lengths < 1).nonzero().flatten().tolist()
+        raise ValueError(f"soft_beam_search: target rows {empty} are empty (all pad={pad}); each row needs at least "
+                         "its eos")
     if teacher_forcing is not None and teacher_forcing.shape != target.shape:
         raise ValueError(f"soft_beam_search: teacher_forcing of shape {tuple(teacher_forcing.shape)} must be "
                          f"shaped like target {tuple(target.shape)} (fairseq's prev_output_tokens)")
