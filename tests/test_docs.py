@@ -3,12 +3,13 @@
 criterion and of the top-k attention architectures are exactly the registered ones with their defaults, every figure
 that a summary (the README's findings, the results index) quotes is on the results page it summarises, the README
 stays short, and no page speaks of the work's history."""
-from decimal import ROUND_HALF_UP, Decimal
 import os
 import re
 import unicodedata
+from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
+from readme_examples import fairseq_commands
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted([os.path.join(REPO, name) for name in ("README.md", "CHANGELOG.md")]
@@ -183,28 +184,6 @@ def test_no_page_speaks_of_the_works_history():
     assert not found, "\n".join(found[:20])
 
 
-SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.S | re.M)
-FAIRSEQ_COMMAND = re.compile(r"\bfairseq-(train|generate|interactive)\s+([^\n|<>;&]*)")  # up to a pipe or redirect
-
-
-def _fairseq_commands():
-    """``(page, program, arguments)`` of every ``fairseq-train``/``-generate``/``-interactive`` command in a shell
-    block of the docs (lines continued with a backslash joined; the plugin's user dir for any way of writing it;
-    another shell variable as a placeholder; ``...``, "and the rest", dropped)."""
-    import shlex
-
-    user_dir = os.path.join(REPO, "user_dir")
-    found = []
-    for page in PAGES:
-        for block in SHELL_BLOCK.findall(_read(page)):
-            block = re.sub(r"--user-dir\s+(\"\$\(python -c '[^']*'\)\"|\$USER_DIR)", f"--user-dir {user_dir}",
-                           re.sub(r"(^|\s)#.*", "", block).replace("\\\n", " "))  # comments dropped
-            for program, arguments in FAIRSEQ_COMMAND.findall(block):
-                arguments = re.sub(r"\$\{?(\w+)\}?", lambda m: m.group(1).lower(), arguments)
-                found.append((_rel(page), program, [a for a in shlex.split(arguments) if a != "..."]))
-    return found
-
-
 def test_the_docs_fairseq_commands_parse_and_fine_tune_into_a_save_dir_of_their_own():
     """Each documented fairseq command is one fairseq's parser takes, with the plugin's flags and choices; and a
     fine-tuning names its own ``--save-dir``: fairseq 0.12 ignores ``--finetune-from-model`` when the save dir
@@ -214,7 +193,7 @@ def test_the_docs_fairseq_commands_parse_and_fine_tune_into_a_save_dir_of_their_
 
     parsers = {"train": options.get_training_parser, "generate": options.get_generation_parser,
                "interactive": lambda: options.get_interactive_generation_parser()}
-    commands = _fairseq_commands()
+    commands = fairseq_commands()
     assert {program for _, program, _ in commands} >= {"train", "generate"}, commands
     for page, program, arguments in commands:
         if program == "train" and "--arch" not in arguments:  # an excerpt ("..."): its flags, on fairseq's default

@@ -253,6 +253,39 @@ def fake_raw_data(path):
     return str(path)
 
 
+def _flags(arguments):
+    """``{flag: its values}`` of a fairseq command line (a positional argument under ``""``)."""
+    flags, flag = {}, ""
+    for argument in arguments:
+        if argument.startswith("--"):
+            flag = argument
+            flags[flag] = []
+        else:
+            flags.setdefault(flag, []).append(argument)
+    return flags
+
+
+def test_the_attention_recipe_documented_is_the_one_the_converged_study_runs(tmp_path):
+    """docs/topk_attention.md's recipe (SOFT top-k, seed 1) is the driver's command for that arm, less the
+    driver's device, saving and logging flags (the recipe once lacked --required-batch-size-multiple 1, which
+    changes the batches)."""
+    from readme_examples import fairseq_commands
+
+    converged = load("multi30k_converged_driver", CONVERGED)
+    args = converged.parser().parse_args(["run", "--data", fake_raw_data(tmp_path / "raw"), "--workdir",
+                                          str(tmp_path)])
+    driver = _flags([*converged.COMMON, *converged.Study(args).attention_args("soft_topk"), "--seed", "1"])
+    recipes = [arguments for _, _, arguments in fairseq_commands(["docs/topk_attention.md"])
+               if "--seed" in arguments]
+    assert len(recipes) == 1, recipes
+    documented = _flags(recipes[0])
+    assert documented.pop("") == ["data-bin"] and documented.pop("--user-dir")
+    for own in ("--cpu", "--num-workers", "--no-epoch-checkpoints", "--save-interval-updates", "--log-format",
+                "--log-interval"):
+        driver.pop(own)
+    assert documented == driver
+
+
 def test_converged_study_picks_the_sweeps_best_on_val_once_the_sweep_is_complete(tmp_path, capsys):
     converged = load("multi30k_converged_driver", CONVERGED)
     from ledger import append_row, rows_by_key

@@ -1025,6 +1025,13 @@ class Study:
             self.train(tune_key(name, lr, seed), "tune", "rnnsearch", name, seed, extra,
                        fields={"start": start_key, "lr": lr})
 
+    def attention_args(self, mode: str) -> List[str]:
+        """The fairseq-train arguments of an attention arm (``ATTENTION``), after ``COMMON`` and before the seed:
+        the transformer from scratch with the pre-training's convergence rule (docs/topk_attention.md's recipe)."""
+        return (TRANSFORMER + ATTENTION[mode] + ["--lr", str(self.args.lr), "--warmup-updates", "200",
+                                                 "--criterion", "label_smoothed_cross_entropy"]
+                + self.converge_args(PATIENCE.get(mode)))
+
     def blind_for_ledger(self) -> None:
         """``blind``: the blind sets translated by every ledger run whose ``checkpoint_best.pt`` is in the workdir and
         whose translations are not kept yet; says which runs have no checkpoint here."""
@@ -1103,10 +1110,8 @@ class Study:
         if "attention" in a.stages:
             for seed in a.seeds:
                 for mode in a.attention_modes:
-                    extra = TRANSFORMER + ATTENTION[mode] + ["--lr", str(a.lr), "--warmup-updates", "200",
-                                                             "--criterion", "label_smoothed_cross_entropy"]
                     self.train(f"attention.{mode}.seed{seed}", "attention", "transformer_topk_attn", mode, seed,
-                               extra + self.converge_args(PATIENCE.get(mode)))
+                               self.attention_args(mode))
 
 
 # ------------------------------------------------------------------------------------------- report ----
@@ -1129,7 +1134,7 @@ def report(args) -> str:
     return text
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["run", "report", "blind", "carry"])
     p.add_argument("--data", default=os.path.join(REPO_ROOT, "..", "shared", "data", "multi30k_en_fr"))
@@ -1179,7 +1184,11 @@ def main(argv=None) -> None:
                    help="report: a ledger and the raw data its runs were trained on (the references); once per pair")
     p.add_argument("--out", help="report: the page to write (default: stdout)")
     p.add_argument("--plot", help="report: the per-seed BLEU plot to write (PNG)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     if args.command == "run":
         Study(args).run()
     elif args.command == "blind":
