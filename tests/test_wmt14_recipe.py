@@ -1,6 +1,7 @@
 """examples/wmt14_en_fr end to end on a small slice of generated en-fr text, as a user runs it: prepare.py
 (local files), train.sh, finetune_soft_beam.sh, train_topk_attn.sh and evaluate.sh with tiny models; and the
 WMT14 collection step on a fake download (no network in tests)."""
+import itertools
 import json
 import os
 import subprocess
@@ -54,6 +55,38 @@ def test_prepare_builds_fairseq_data_and_keeps_the_raw_references(prepared):
     assert text.read_lines(dest / "ref" / "test.fr") == text.read_lines(raw["test"] + ".fr")
     bpe_lines = text.read_lines(dest / "bpe" / "train.fr")
     assert len(bpe_lines) == 200 and any("@@" in line for line in bpe_lines)
+
+
+def test_prepare_refuses_a_missing_or_misaligned_input_in_one_line_and_keeps_the_earlier_data(prepared, tmp_path):
+    """Under a worker pool a bad file once ended the pool's feeding thread and left prepare.py waiting for ever,
+    after it had deleted DEST/bin; --sources-only on an unprepared DEST was a traceback."""
+    root, dest, raw, _ = prepared
+    before = sorted(os.listdir(dest / "bin"))
+    short = tmp_path / "short"
+    short.with_suffix(".en").write_text("a b\nc d\n", encoding="utf-8")
+    short.with_suffix(".fr").write_text("e f\n", encoding="utf-8")
+    nope = tmp_path / "nope"
+    for train, said in [(nope, f"prepare.py: missing corpus file {nope}.en (or {nope}.en.gz)"),
+                        (short, f"prepare.py: {short}.en and {short}.fr have different numbers of lines")]:
+        proc = subprocess.run([sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", str(dest), "--train",
+                               str(train), "--valid", raw["valid"], "--test", raw["test"], "--workers", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1] == said, proc.stdout[-2000:]
+        assert sorted(os.listdir(dest / "bin")) == before
+    with pytest.raises(SystemExit, match="has no valid.SRC-TGT.*: prepare it first"):
+        prepare.prepared_languages(str(tmp_path / "unprepared"))
+
+
+@pytest.mark.parametrize("script", ["train.sh", "finetune_soft_beam.sh", "train_topk_attn.sh", "evaluate.sh",
+                                    "translate.sh"])
+def test_each_recipe_script_without_arguments_prints_its_header_comment_and_exits_2(script):
+    path = os.path.join(RECIPE, script)
+    proc = subprocess.run(["bash", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    header = list(itertools.takewhile(lambda line: line.startswith("#"), lines[1:]))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == header
+    assert any(line.startswith(f"#   bash examples/wmt14_en_fr/{script} ") for line in header)
 
 
 def test_clean_pairs_drops_empty_long_and_unbalanced_pairs():
@@ -122,10 +155,12 @@ def test_recipe_trains_fine_tunes_and_evaluates(prepared):
                *TINY_TRAIN, "--max-update", 2, "--soft-beam-size", 2, "--soft-beam-candidates", 8,
                "--soft-beam-epsilon", 0.05)  # (the flag as documented overrides the script's)
     assert "soft_loss" in out and "loaded checkpoint" in out.lower()
-    assert "soft_beam_epsilon=0.05" in out.replace("'", "").replace(": ", "=") and "old name" not in out
+    assert "soft_beam_epsilon=0.05" in out.replace("'", "").replace(": ", "=")
     out = _run("bash", os.path.join(RECIPE, "train_topk_attn.sh"), dest, ckpt / "topk_attn", *TINY_TRAIN,
                "--max-update", 2)
     assert "rnnsearch_topk_attn" in out
+    # the modes by their current names, as given (an old name would be kept in the logged arguments, resolved later)
+    assert "topk_attn_mode=soft_topk" in out.replace("'", "").replace(": ", "=")
     for run in ("soft_beam", "topk_attn"):
         out = _run("bash", os.path.join(RECIPE, "evaluate.sh"), dest, ckpt / run / "checkpoint_last.pt",
                    env_extra={"BEAM": "2", "SUBSET": "valid"})

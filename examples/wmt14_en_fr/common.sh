@@ -9,6 +9,11 @@ fi
 # fairseq 0.12 drops a last batch smaller than --required-batch-size-multiple (fairseq#5036).
 KEEP_LAST_BATCH=(--required-batch-size-multiple 1)
 
+# The calling script's usage: its header comment (line 2 up to the first line that is not a comment), to stderr.
+usage() {
+    sed -n '2,/^[^#]/{/^#/p}' "$0" >&2
+}
+
 need_dir() {
     if [ ! -d "$1" ]; then echo "error: $1 not found ($2)" >&2; exit 2; fi
 }

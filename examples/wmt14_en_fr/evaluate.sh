@@ -7,7 +7,7 @@
 # default: next to the checkpoint). Prints the sacrebleu line; the bare score is in OUT/SUBSET.beamBEAM.bleu.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-if [ $# -lt 2 ]; then sed -n 2,7p "$0"; exit 2; fi
+if [ $# -lt 2 ]; then usage; exit 2; fi
 DEST=$1; CHECKPOINT=$2
 SUBSET=${SUBSET:-test}; BEAM=${BEAM:-5}; OUT=${OUT:-$(dirname "$CHECKPOINT")}
 need_dir "$DEST/bin" "run prepare.py first"

@@ -9,7 +9,7 @@
 # --soft-beam-relaxation softmax_k_times for the Goyal et al. baseline, or the sizes the checkpoint was trained with).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-if [ $# -lt 3 ]; then sed -n 2,10p "$0"; exit 2; fi
+if [ $# -lt 3 ]; then usage; exit 2; fi
 DEST=$1; PRETRAINED=$2; SAVE_DIR=$3; shift 3
 need_dir "$DEST/bin" "run prepare.py first"
 if [ ! -f "$PRETRAINED" ]; then echo "error: checkpoint $PRETRAINED not found (run train.sh first)" >&2; exit 2; fi

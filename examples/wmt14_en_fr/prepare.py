@@ -15,7 +15,8 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
    ``--train/--valid/--test PREFIX`` name raw files ``PREFIX.en`` / ``PREFIX.TGT`` (``--tgt``, default ``fr``);
    for ``--valid``/``--test`` these (or ``PREFIX.en.sgm`` / ``PREFIX.TGT.sgm``) may be WMT SGML files, whose
    segments are extracted.
-2. Moses punctuation normalisation; with subword-nmt also Moses tokenisation (sentencepiece works on raw
+2. Read as UTF-8 (bytes that are not are replaced by U+FFFD, as WMT's crawled corpora need), Moses punctuation
+   normalisation; with subword-nmt also Moses tokenisation (sentencepiece works on raw
    text); training pairs with an empty side, more than ``--max-len`` tokens or a length ratio above
    ``--max-ratio`` are dropped (fairseq's ``clean-corpus-n.perl 1 250`` with ratio 1.5).
 3. Joint BPE learned on the training text: subword-nmt with ``--bpe-size`` merges (40,000, fairseq's
@@ -23,7 +24,9 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
 4. ``fairseq-preprocess --joined-dictionary`` into ``DEST/bin``.
 
 The untouched references go to ``DEST/ref/{valid,test}.{en,TGT}``; ``evaluate.sh`` scores against them with
-detokenised sacrebleu. Large inputs are streamed in chunks over ``--workers`` processes.
+detokenised sacrebleu. Large inputs are streamed in chunks over ``--workers`` processes. A missing input or sides of
+different lengths stop the run with a one-line error; an earlier preparation's ``DEST/bin`` is replaced only at the
+last step.
 
 ``--sources-only NAME=FILE ...`` on a prepared DEST: English text with no reference (a blind test set), normalised
 and encoded as the training sources were, binarized with DEST's dictionaries into ``DEST/sources/NAME/bin``
@@ -88,12 +91,25 @@ def download(orig: str) -> None:
             open(marker, "w").close()
 
 
+class CorpusError(Exception):
+    """A bad input file, named. An ordinary exception, not SystemExit: raised while a worker pool reads the
+    input, a SystemExit would end the pool's feeding thread silently and leave the run waiting for ever; main
+    turns it into the one-line exit."""
+
+
+def _corpus_path(path: str) -> str:
+    """``path``, or ``path.gz`` when only that exists; CorpusError when neither does."""
+    for candidate in (path, path + ".gz"):
+        if os.path.exists(candidate):
+            return candidate
+    raise CorpusError(f"missing corpus file {path} (or {path}.gz)")
+
+
 def _open_text(path: str):
-    if os.path.exists(path):
-        return open(path, encoding="utf-8", errors="replace")
-    if os.path.exists(path + ".gz"):
-        return gzip.open(path + ".gz", "rt", encoding="utf-8", errors="replace")
-    raise SystemExit(f"missing corpus file {path} (or {path}.gz)")
+    found = _corpus_path(path)
+    if found.endswith(".gz") and found != path:
+        return gzip.open(found, "rt", encoding="utf-8", errors="replace")
+    return open(found, encoding="utf-8", errors="replace")
 
 
 def read_sgm(path: str) -> List[str]:
@@ -124,7 +140,7 @@ def local_split(prefix: str, split: str, out: str, langs: Tuple[str, str]) -> st
     lines = {lang: read_sgm(paths[lang]) if sgm[lang] else text.read_lines(paths[lang]) for lang in langs}
     src, tgt = langs
     if len(lines[src]) != len(lines[tgt]):
-        raise SystemExit(f"{prefix}: {len(lines[src])} segments in .{src} but {len(lines[tgt])} in .{tgt}")
+        raise CorpusError(f"{prefix}: {len(lines[src])} segments in .{src} but {len(lines[tgt])} in .{tgt}")
     for lang in langs:
         text.write_lines(os.path.join(out, f"{split}.{lang}"), lines[lang])
     print(f"{split}: read {', '.join(paths[lang] for lang in langs if sgm[lang])} as WMT SGML "
@@ -158,7 +174,7 @@ def read_pairs(prefix: str, langs: Tuple[str, str], max_lines: int = 0) -> Itera
             if not chunk:
                 return
             if any(a is None or b is None for a, b in chunk):
-                raise SystemExit(f"{prefix}.{src} and {prefix}.{tgt} have different numbers of lines")
+                raise CorpusError(f"{prefix}.{src} and {prefix}.{tgt} have different numbers of lines")
             yield [a.rstrip("\n") for a, _ in chunk], [b.rstrip("\n") for _, b in chunk]
 
 
@@ -211,7 +227,7 @@ def _map_pairs(pool, func, chunks, out_prefix: str, langs: Tuple[str, str]) -> i
 
 def prepared_languages(dest: str) -> Tuple[str, str]:
     """(source, target) of a prepared DEST, read from fairseq-preprocess's file names (``valid.SRC-TGT.SRC.idx``)."""
-    for name in sorted(os.listdir(os.path.join(dest, "bin"))):
+    for name in sorted(os.listdir(os.path.join(dest, "bin"))) if os.path.isdir(os.path.join(dest, "bin")) else []:
         m = re.match(r"^valid\.([^.-]+)-([^.-]+)\.[^.]+\.idx$", name)
         if m:
             return m.group(1), m.group(2)
@@ -275,14 +291,32 @@ def parse_args(argv=None):
     return args
 
 
+def check_local_inputs(args, langs: Tuple[str, str]) -> None:
+    """Every local input there before anything is written: ``--train`` PREFIX.LANG (or .gz), ``--valid`` and
+    ``--test`` PREFIX.LANG (or .sgm: their plain text is also copied as the references)."""
+    for lang in langs:
+        _corpus_path(f"{args.train}.{lang}")
+        for flag, prefix in (("--valid", args.valid), ("--test", args.test)):
+            if not any(os.path.exists(f"{prefix}.{lang}{ext}") for ext in ("", ".sgm")):
+                raise CorpusError(f"{flag}: missing {prefix}.{lang} (or {prefix}.{lang}.sgm)")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.sources_only:
         return prepare_sources_only(args.dest, args.sources_only, args.bpe)
+    try:
+        prepare(args)
+    except CorpusError as e:
+        raise SystemExit(f"prepare.py: {e}") from None
+
+
+def prepare(args) -> None:
     start = time.time()
     langs = (SRC, args.tgt)
     dirs = {name: os.path.join(args.dest, name) for name in ("orig", "ref", "tok", "bpe", "bin")}
-    shutil.rmtree(dirs["bin"], ignore_errors=True)  # fairseq-preprocess refuses to overwrite
+    if not args.download:
+        check_local_inputs(args, langs)
     for name in ("ref", "tok", "bpe"):
         os.makedirs(dirs[name], exist_ok=True)
     if args.download:
@@ -313,6 +347,8 @@ def main(argv=None) -> None:
         if pool:
             pool.close()
             pool.join()
+    # (only now: a run refused above leaves an earlier preparation's data in place)
+    shutil.rmtree(dirs["bin"], ignore_errors=True)  # fairseq-preprocess refuses to overwrite
     run.binarize(dirs["bpe"], dirs["bin"], *langs, os.path.join(args.dest, "preprocess.log"),
                  workers=args.workers)
     print(f"done in {time.time() - start:.0f} s: fairseq data in {dirs['bin']}, references in {dirs['ref']}")

@@ -8,7 +8,7 @@
 # (e.g. --max-update 200000 --update-freq 4, or --cpu and tiny sizes for a smoke test).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-if [ $# -lt 2 ]; then sed -n 2,9p "$0"; exit 2; fi
+if [ $# -lt 2 ]; then usage; exit 2; fi
 DEST=$1; SAVE_DIR=$2; shift 2
 need_dir "$DEST/bin" "run prepare.py first"
 

@@ -8,7 +8,7 @@
 # Writes OUT/SUBSET.beamBEAM.TGT (TGT: the prepared data's target language) and prints its path.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-if [ $# -lt 2 ]; then sed -n 2,8p "$0"; exit 2; fi
+if [ $# -lt 2 ]; then usage; exit 2; fi
 DEST=$1; CHECKPOINT=$2; shift 2
 SUBSET=${SUBSET:-test}; BEAM=${BEAM:-5}; OUT=${OUT:-$(dirname "$CHECKPOINT")}; BIN=${BIN:-$DEST/bin}
 need_dir "$DEST/bin" "run prepare.py first"
