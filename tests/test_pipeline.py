@@ -212,6 +212,14 @@ def test_bad_options_are_refused_all_at_once_before_the_workdir_is_touched(tmp_p
     assert run.option_problems(_tiny_config(tmp_path)) == []  # the defaults pass
 
 
+def test_the_toy_corpus_takes_no_other_languages_and_no_line_limit(tmp_path):
+    """Without --train the corpus is generated English and French: --src de --tgt en only renamed its files (a
+    run labelled de->en that trained en->fr), and --max-lines was ignored."""
+    assert run.option_problems(_tiny_config(tmp_path, src="de", tgt="en", max_lines=100)) == [
+        "--src de --tgt en: the generated toy corpus is en->fr; give --train, --valid and --test for other languages",
+        "--max-lines 100 limits --train files; the generated toy corpus's sizes are --toy-sizes"]
+
+
 def test_a_workdir_that_cannot_be_a_directory_and_repeated_beams_are_option_errors(tmp_path):
     """--workdir naming a file (or a path below one) once ended in a FileExistsError traceback from makedirs;
     --beams 5 5 started a training whose table would hold one beam twice. Both are option errors now, before

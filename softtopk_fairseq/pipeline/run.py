@@ -384,8 +384,14 @@ def option_problems(cfg: Config) -> List[str]:
     at_least = [("--max-update", cfg.max_update, 1), ("--max-tokens", cfg.max_tokens, 1),
                 ("--bpe-size", cfg.bpe_size, 1), ("--max-lines", cfg.max_lines, 0), ("--warmup", cfg.warmup, 0),
                 ("--seed", cfg.seed, 0), ("--threads", cfg.threads, 0), ("--finetune-updates", cfg.finetune_updates, 0)]
-    if not cfg.train:  # the generated corpus
+    if not any((cfg.train, cfg.valid, cfg.test)):  # the generated corpus: English and French, its own sizes
         at_least += [(f"--toy-sizes ({split})", n, 1) for split, n in zip(("train", "valid", "test"), cfg.toy_sizes)]
+        if cfg.src and cfg.tgt and cfg.src != cfg.tgt and (cfg.src, cfg.tgt) != toy_corpus.LANGUAGES:
+            problems.append(f"--src {cfg.src} --tgt {cfg.tgt}: the generated toy corpus is "
+                            f"{'->'.join(toy_corpus.LANGUAGES)}; give --train, --valid and --test for other languages")
+        if cfg.max_lines:
+            problems.append(f"--max-lines {cfg.max_lines} limits --train files; the generated toy corpus's sizes are "
+                            "--toy-sizes")
     problems += [f"{flag} must be >= {low}, got {value}" for flag, value, low in at_least if value < low]
     problems += [f"{flag} must be a finite number > 0, got {value}"
                  for flag, value in (("--lr", cfg.lr), ("--finetune-lr", cfg.finetune_lr))
@@ -528,7 +534,7 @@ def run_pipeline(cfg: Config) -> List[dict]:
         os.makedirs(path, exist_ok=True)
     env = subprocess_env(cfg)
     total = 6 if cfg.finetune_updates > 0 else 5
-    source = "generated toy en->fr corpus" if not cfg.train else f"files {cfg.train}/{cfg.valid}/{cfg.test}"
+    source = f"generated toy {'->'.join(toy_corpus.LANGUAGES)} corpus" if not cfg.train else f"files {cfg.train}/{cfg.valid}/{cfg.test}"
     print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}"
           + ("; resuming: completed stages are skipped" if resumed else ""))
 

@@ -128,6 +128,9 @@ def sentence_pair(rng: random.Random) -> Tuple[str, str]:
     return " ".join(en + ["."]), " ".join(fr + ["."])
 
 
+LANGUAGES = ("en", "fr")  # what the generated pairs are: English, then French
+
+
 def generate(n: int, seed: int) -> Iterator[Tuple[str, str]]:
     """``n`` sentence pairs, deterministic for ``seed``."""
     rng = random.Random(seed)
@@ -135,7 +138,7 @@ def generate(n: int, seed: int) -> Iterator[Tuple[str, str]]:
         yield sentence_pair(rng)
 
 
-def write_split(prefix: str, n: int, seed: int, langs: Sequence[str] = ("en", "fr")) -> None:
+def write_split(prefix: str, n: int, seed: int, langs: Sequence[str] = LANGUAGES) -> None:
     """Write ``{prefix}.{src}`` and ``{prefix}.{tgt}``, one sentence per line, aligned by line."""
     pairs = list(generate(n, seed))
     for side, lang in enumerate(langs):
