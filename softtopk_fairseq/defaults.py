@@ -28,6 +28,9 @@ SEARCH_SCALING = "paper"
 TEACHER_FORCING_RATIO = 0.8  # rho in L = rho * L_tf + (1 - rho) * L_SOFT
 CANDIDATES = 0  # candidates kept per sentence before the relaxed top-k: 0 = all k * V (exact)
 BOOKKEEPING = "argmax"
+# --soft-beam-cuda-graphs: the batch sizes whose captured graphs are kept (least recently used dropped first; a
+# dropped size is captured again when it returns). Each keeps a few times sentences x beam x vocabulary floats.
+CUDA_GRAPH_SIZES_KEPT = 64
 
 # ------------------------------------------------------------------------------------- top-k attention ----
 TOPK_ATTN_K = 4

@@ -62,7 +62,8 @@ def _worker(rank, port, result_path, route):
         _, log, grads = update(*case)
         gathered = gather(grads)
         results[key] = dict(max_diff=float((gathered[0] - gathered[1]).abs().max()),
-                            scale=float(gathered[0].abs().max()), tf="tf_loss" in log, soft="soft_loss" in log)
+                            scale=float(gathered[0].abs().max()),
+                            tf=log.get("tf_ntokens", 0) > 0, soft=log.get("soft_ntokens", 0) > 0)  # (the pass ran)
     # A NaN on one rank only (a token whose embedding is NaN, in rank 1's batch alone -- as a float16 overflow
     # would come): both ranks must finish the update with the same non-finite gradient, which fairseq's trainer
     # skips on every rank alike; the operator's error on rank 1 alone would leave rank 0 in the all-reduce.

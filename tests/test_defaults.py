@@ -65,3 +65,11 @@ def test_the_pipeline_runs_the_criterion_and_the_attention_at_their_defaults():
         assert pipeline[name] == criterion[name], name
     for name in ("topk_attn_k", "topk_attn_epsilon"):
         assert pipeline[name] == arch[name], name
+
+
+def test_the_cuda_graph_caches_size_is_the_modules():
+    from softtopk_fairseq.modules.cuda_graphs import GraphCache
+
+    assert GraphCache().capacity == defaults.CUDA_GRAPH_SIZES_KEPT
+    help_text = next(f for f in fields(SoftBeamSearchConfig) if f.name == "soft_beam_cuda_graphs").metadata["help"]
+    assert f"the {defaults.CUDA_GRAPH_SIZES_KEPT} most recently used sizes are kept" in help_text

@@ -693,17 +693,28 @@ def test_layer_drop_is_drawn_once_per_criterion_call():
     assert type(model.decoder.layers) is LayerDropModuleList and not hasattr(model.decoder.layers, "drawn")
 
 
-def test_sample_mode_draws_one_loss_per_batch_with_probability_rho(lstm_losses):
+def test_sample_mode_draws_one_loss_per_training_batch_with_probability_rho(lstm_losses):
+    """Each training batch runs one pass; its log has the keys of both, the other's 0 (fairseq sums workers' and
+    --update-freq's logs over the first one's keys: a key missing there was dropped); validation computes both,
+    weighted as in sum mode (it once reported one loss drawn at random)."""
     model, sample, task, tf, soft, _ = lstm_losses
-    crit = _criterion(task, 0.7, soft_beam_epsilon=0.5, teacher_forcing_mode="sample")
+    crit = _criterion(task, 0.7, soft_beam_epsilon=0.5, teacher_forcing_mode="sample", report_accuracy=True)
+    both = _criterion(task, 0.7, soft_beam_epsilon=0.5, report_accuracy=True)
+    keys = set(both(model, sample)[2])
     torch.manual_seed(0)
     picks = []
     for _ in range(40):
         loss, _, log = crit(model, sample)
-        picks.append("tf_loss" in log)
-        assert ("tf_loss" in log) != ("soft_loss" in log)
+        picks.append(log["tf_ntokens"] > 0)
+        assert set(log) == keys and (log["tf_ntokens"] > 0) != (log["soft_ntokens"] > 0)
+        assert (log["total"] > 0) == picks[-1] and (log["soft_topk_steps"] > 0) != picks[-1]
         torch.testing.assert_close(loss, tf if picks[-1] else soft)
     assert 0.45 < sum(picks) / len(picks) < 0.95  # Binomial(40, 0.7): outside this with p < 1e-3
+    crit.eval()
+    for _ in range(3):
+        loss, _, log = crit(model, sample)
+        torch.testing.assert_close(loss, 0.7 * tf + 0.3 * soft)
+        assert log["tf_ntokens"] > 0 and log["soft_ntokens"] > 0
 
 
 def test_criterion_rejects_bad_flags():

@@ -217,6 +217,19 @@ def test_a_layer_refused_by_convert_is_left_as_it_was():
     assert type(layer) is AttentionLayer
 
 
+def test_topk_attention_on_a_transformer_without_cross_attention_is_refused_unless_it_names_other_layers():
+    """--no-cross-attention with the default --topk-attn-layers encoder-decoder once converted nothing: a plain
+    softmax model trained in silence (lstm_topk_attn without attention is refused likewise)."""
+    from softtopk_fairseq.models.topk_attention import TopkMultiheadAttention
+
+    d = dictionary(12)
+    with pytest.raises(ValueError, match=r"--topk-attn-layers encoder-decoder: the decoder has no encoder-decoder "
+                                         r"attention \(--no-cross-attention\); name decoder-self or encoder-self"):
+        build("transformer_topk_attn", d, no_cross_attention=True)
+    model = build("transformer_topk_attn", d, no_cross_attention=True, topk_attn_layers="decoder-self")
+    assert sum(isinstance(m, TopkMultiheadAttention) for m in model.modules()) == len(model.decoder.layers)
+
+
 # --------------------------------------------------------------------- incremental == full forward ----
 
 @pytest.mark.parametrize("arch,extra", [

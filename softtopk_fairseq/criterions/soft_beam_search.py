@@ -59,6 +59,8 @@ from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
 TEACHER_FORCING_PASSES = ("auto", "search", "separate")
+SOFT_LOG_KEYS = ("soft_loss", "soft_ntokens", "soft_topk_iters", "soft_topk_steps", "soft_topk_err_max",
+                 "soft_topk_capped", "pruned_mass", "soft_sentence_steps")  # what a batch with L_SOFT logs
 CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap above its tolerance on some rows "
                   "(counted in the logs as soft_topk_capped); raise --soft-topk-max-iter or --soft-topk-tol")
 
@@ -82,8 +84,8 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                           "own: always 'separate')"})
     teacher_forcing_mode: ChoiceEnum(["sum", "sample"]) = field(
         default="sum", metadata={"help": "'sum': both losses on every batch, weighted (the paper); 'sample': each "
-                                         "batch uses L_tf with probability rho, else L_SOFT -- the same "
-                                         "objective in expectation at a fraction of the cost"})
+                                         "training batch uses L_tf with probability rho, else L_SOFT -- the same "
+                                         "objective in expectation at a fraction of the cost (validation: both)"})
     soft_beam_size: int = field(default=defaults.BEAM, metadata={"help": "beam size k of the beam search run in "
                                                                          "training"})
     soft_beam_relaxation: ChoiceEnum(relaxations.names(USE)) = field(
@@ -128,7 +130,9 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                          "--soft-beam-relaxation soft_topk; used on CUDA batches outside --amp. "
                                          "Each new batch size is captured once (a synchronisation and two extra "
                                          "runs) and keeps its buffers, a few times sentences x beam x vocabulary "
-                                         "floats, on the GPU"})
+                                         "floats, on the GPU; the "
+                                         f"{defaults.CUDA_GRAPH_SIZES_KEPT} most recently used sizes are kept, "
+                                         "one dropped is captured again when it returns"})
     # The flags of version 0.1, kept as aliases (upgrade_config).
     soft_topk_method: Optional[str] = field(
         default=None, metadata={"help": "old name of --soft-beam-relaxation (its 'ot' is 'soft_topk')"})
@@ -252,6 +256,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         self.graphs = GraphCache() if cfg.soft_beam_cuda_graphs else None
         self.graphs_unused_warned = False
         self.eos = task.target_dictionary.eos()
+        tf_keys = ("tf_loss", "tf_ntokens") + (("n_correct", "total") if cfg.report_accuracy else ())
+        self._log_keys = (tf_keys if self.rho > 0 else ()) + (SOFT_LOG_KEYS if self.rho < 1 else ())
 
     def forward(self, model, sample, reduce=True):
         if not reduce:
@@ -270,9 +276,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _losses_this_batch(self) -> Tuple[bool, bool]:
         """Whether this batch computes L_tf and L_SOFT: both in ``sum`` mode (unless rho is 0 or 1), one drawn in
-        ``sample`` mode."""
+        ``sample`` mode while training -- validation computes both, as ``sum`` mode does, so that its loss (and a
+        checkpoint or a schedule chosen on it) is the objective's, not a draw."""
         use_tf, use_soft = self.rho > 0, self.rho < 1
-        if self.sample_mode and use_tf and use_soft:
+        if self.sample_mode and use_tf and use_soft and self.training:
             # One draw per batch from torch's RNG, which fairseq seeds per update: reproducible, and the same
             # on every worker. Unbiased: E[L] = rho * L_tf + (1 - rho) * L_SOFT.
             use_tf = bool(torch.rand(()) < self.rho)
@@ -342,6 +349,11 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             })
         logging_output["loss"] = loss.data
         logging_output["nll_loss"] = nll_loss
+        # Every key of every pass this configuration can run, 0 where this batch did not run it: fairseq sums the
+        # workers' (and --update-freq's) logs over the keys of the first one, and --teacher-forcing-mode sample runs
+        # one pass per batch.
+        for key in self._log_keys:
+            logging_output.setdefault(key, 0)
         return loss, sample_size, logging_output
 
     def get_lprobs_and_target(self, model, net_output, sample):

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from softtopk_fairseq import defaults
+
 WARMUP_RUNS = 2  # untimed runs of each direction before capturing (lazy inits, kernel compiles)
 _CAPTURE_STREAMS = {}  # device index -> the stream every capture on it warms up and captures on
 
@@ -162,7 +164,7 @@ class GraphCache:
     of graphs kept, least recently used dropped first. ``emulate``: run eagerly through the same plumbing even on
     CUDA (tests)."""
 
-    def __init__(self, capacity: int = 64, emulate: bool = False):
+    def __init__(self, capacity: int = defaults.CUDA_GRAPH_SIZES_KEPT, emulate: bool = False):
         if capacity < 1:
             raise ValueError(f"GraphCache: capacity must be >= 1, got {capacity}")
         self.capacity, self.emulate = capacity, emulate
