@@ -110,16 +110,20 @@ def test_the_attention_archs_documented_flags_are_their_registered_ones():
 
 
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
-FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:-{NUMBER})?(?![\w.])")  # 0.73, 5,116, 2.3-2.5 (a range is one figure)
+# 0.73, -0.42, 5,116, 2.3-2.5x: a signed figure or a range, a ratio's x and a sentence's full stop not part of it
+FIGURE = re.compile(rf"(?<![\w.])(-?)\+?({NUMBER})(?:-({NUMBER}))?(?=x?(?:[^\w.]|\.(?!\d)|$))")
 RESULTS_PAGE = re.compile(r"\]\(((?:docs/results/|examples/)?[\w/]+\.md)[#)]")
 
 
 def _figures(text: str) -> set:
+    """Each figure of ``text`` as (sign, first number, the range's second number or "")."""
     return set(FIGURE.findall(text))
 
 
 def _rounds_to(precise: str, quoted: str) -> bool:
-    """``precise`` (a page's figure) shown at ``quoted``'s decimals is ``quoted`` (0.405 quoted as 0.41)."""
+    """``precise`` (a page's number) shown at ``quoted``'s decimals is ``quoted`` (0.405 quoted as 0.41)."""
+    if not precise or not quoted:
+        return precise == quoted
     places = Decimal(quoted.replace(",", "")).as_tuple().exponent
     if len(precise.partition(".")[2]) < -places:
         return False
@@ -128,11 +132,13 @@ def _rounds_to(precise: str, quoted: str) -> bool:
 
 
 def _unquoted(quoted_in: str, pages) -> list:
-    """The figures of ``quoted_in`` found on none of ``pages``, as written there or rounded from a more precise one."""
+    """The figures of ``quoted_in`` found on none of ``pages``, as written there or rounded from a more precise one
+    (with the same sign)."""
     on_pages = _figures("".join(_read(os.path.join(REPO, page)) for page in pages))
-    by_parts = [figure.split("-") for figure in on_pages]
-    return [figure for figure in sorted(_figures(quoted_in)) if figure not in on_pages and not any(
-        len(parts) == len(figure.split("-")) and all(map(_rounds_to, parts, figure.split("-"))) for parts in by_parts)]
+    return [f"{sign}{first}" + (f"-{second}" if second else "") for sign, first, second in sorted(_figures(quoted_in))
+            if (sign, first, second) not in on_pages and not any(
+                sign == page_sign and _rounds_to(page_first, first) and _rounds_to(page_second, second)
+                for page_sign, page_first, page_second in on_pages)]
 
 
 def _summary_rows(page: str, default_pages=()):
@@ -203,4 +209,7 @@ def test_the_docs_fairseq_commands_parse_and_fine_tune_into_a_save_dir_of_their_
         except SystemExit:
             pytest.fail(f"{page}: fairseq-{program} {' '.join(arguments)}: fairseq's parser refuses it")
         if "--finetune-from-model" in arguments:
-            assert "--save-dir" in arguments, f"{page}: a fine-tuning without a --save-dir of its own: {arguments}"
+            start = os.path.normpath(os.path.dirname(arguments[arguments.index("--finetune-from-model") + 1]) or ".")
+            save = arguments[arguments.index("--save-dir") + 1] if "--save-dir" in arguments else "checkpoints"
+            assert os.path.normpath(save) not in (start, "checkpoints"), \
+                f"{page}: a fine-tuning without a --save-dir of its own: {arguments}"

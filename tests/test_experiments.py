@@ -274,13 +274,15 @@ def test_the_attention_recipe_documented_is_the_one_the_converged_study_runs(tmp
     converged = load("multi30k_converged_driver", CONVERGED)
     args = converged.parser().parse_args(["run", "--data", fake_raw_data(tmp_path / "raw"), "--workdir",
                                           str(tmp_path)])
-    driver = _flags([*converged.COMMON, *converged.Study(args).attention_args("soft_topk"), "--seed", "1"])
+    study = converged.Study(args)
+    driver = _flags(study.train_args(str(tmp_path / "save"), study.attention_args("soft_topk"), 1))
     recipes = [arguments for _, _, arguments in fairseq_commands(["docs/topk_attention.md"])
                if "--seed" in arguments]
     assert len(recipes) == 1, recipes
     documented = _flags(recipes[0])
-    assert documented.pop("") == ["data-bin"] and documented.pop("--user-dir")
-    for own in ("--cpu", "--num-workers", "--no-epoch-checkpoints", "--save-interval-updates", "--log-format",
+    assert documented.pop("") == ["data-bin"] and documented.pop("--user-dir") and driver.pop("--user-dir")
+    assert driver.pop("") == [os.path.join(study.data, "bin")]
+    for own in ("--save-dir", "--cpu", "--num-workers", "--no-epoch-checkpoints", "--save-interval-updates", "--log-format",
                 "--log-interval"):
         driver.pop(own)
     assert documented == driver

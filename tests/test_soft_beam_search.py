@@ -707,6 +707,7 @@ def test_sample_mode_draws_one_loss_per_training_batch_with_probability_rho(lstm
         loss, _, log = crit(model, sample)
         picks.append(log["tf_ntokens"] > 0)
         assert set(log) == keys and (log["tf_ntokens"] > 0) != (log["soft_ntokens"] > 0)
+        assert torch.is_tensor(log["tf_loss"]) and torch.is_tensor(log["soft_loss"])  # (all-reduced with tensors)
         assert (log["total"] > 0) == picks[-1] and (log["soft_topk_steps"] > 0) != picks[-1]
         torch.testing.assert_close(loss, tf if picks[-1] else soft)
     assert 0.45 < sum(picks) / len(picks) < 0.95  # Binomial(40, 0.7): outside this with p < 1e-3

@@ -4,6 +4,7 @@ WMT14 collection step on a fake download (no network in tests)."""
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -60,7 +61,9 @@ def test_prepare_builds_fairseq_data_and_keeps_the_raw_references(prepared):
 def test_prepare_refuses_a_missing_or_misaligned_input_in_one_line_and_keeps_the_earlier_data(prepared, tmp_path):
     """Under a worker pool a bad file once ended the pool's feeding thread and left prepare.py waiting for ever,
     after it had deleted DEST/bin; --sources-only on an unprepared DEST was a traceback."""
-    root, dest, raw, _ = prepared
+    _, prepared_dest, raw, _ = prepared
+    dest = tmp_path / "data"  # (a copy: the module's other tests read the prepared one)
+    shutil.copytree(prepared_dest, dest)
     before = sorted(os.listdir(dest / "bin"))
     short = tmp_path / "short"
     short.with_suffix(".en").write_text("a b\nc d\n", encoding="utf-8")

@@ -780,6 +780,12 @@ class Study:
                 *EVAL_BLEU, "--lr-scheduler", "reduce_lr_on_plateau_resumable", "--lr-shrink", "0.5",
                 "--lr-patience", str(a.lr_patience), "--patience", str(patience or a.patience), "--max-epoch", str(max_epoch or a.max_epoch)]
 
+    def train_args(self, save: str, extra: List[str], seed: int) -> List[str]:
+        """A run's fairseq-train arguments: the data, the plugin, ``save``, ``COMMON``, the run's ``extra``, the
+        seed and ``--extra-args``."""
+        return [os.path.join(self.data, "bin"), "--user-dir", os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save,
+                *COMMON, *extra, "--seed", str(seed), *shlex.split(self.args.extra_args)]
+
     def train(self, key: str, stage: str, arch: str, method: str, seed: int, extra: List[str],
               save_as: Optional[str] = None, fields: Optional[dict] = None) -> Optional[dict]:
         """One fairseq-train run and its scores, recorded; skipped when the ledger has it. ``save_as``: the
@@ -819,9 +825,7 @@ class Study:
             print(f"{key}: stopped early ({earlier[-1]}); recording it", flush=True)
         else:
             log = os.path.join(save, f"train.{int(time.time())}.log")  # one log per start: a resumed run keeps all
-            cmd = [sys.executable, "-m", "fairseq_cli.train", os.path.join(self.data, "bin"), "--user-dir",
-                   os.path.join(REPO_ROOT, "user_dir"), "--save-dir", save, *COMMON, *extra, "--seed", str(seed),
-                   *shlex.split(self.args.extra_args)]
+            cmd = [sys.executable, "-m", "fairseq_cli.train", *self.train_args(save, extra, seed)]
             # fairseq's own deprecation warnings filtered (quiet_warnings_env), every other warning kept in the log
             commit = code_commit()
             run_logged(cmd, log, env={**MALLOC_ENV, **quiet_warnings_env()}, echo=self.args.verbose,

@@ -352,8 +352,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         # Every key of every pass this configuration can run, 0 where this batch did not run it: fairseq sums the
         # workers' (and --update-freq's) logs over the keys of the first one, and --teacher-forcing-mode sample runs
         # one pass per batch.
-        for key in self._log_keys:
-            logging_output.setdefault(key, 0)
+        for key in self._log_keys:  # (the losses as tensors on the loss's device: fairseq all-reduces those apart)
+            logging_output.setdefault(key, loss.data.new_zeros(()) if key.endswith("_loss") else 0)
         return loss, sample_size, logging_output
 
     def get_lprobs_and_target(self, model, net_output, sample):

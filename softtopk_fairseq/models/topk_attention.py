@@ -172,7 +172,8 @@ class TransformerTopkAttnModel(TransformerModel):
         if unknown or not kinds:
             raise ValueError(f"--topk-attn-layers: unknown or empty {unknown or kinds}; choose from {ATTENTION_KINDS}")
         options = topk_options(args)
-        if "encoder-decoder" in kinds and all(layer.encoder_attn is None for layer in model.decoder.layers):
+        if "encoder-decoder" in kinds and len(model.decoder.layers) and all(
+                layer.encoder_attn is None for layer in model.decoder.layers):
             raise ValueError("--topk-attn-layers encoder-decoder: the decoder has no encoder-decoder attention "
                              "(--no-cross-attention); name decoder-self or encoder-self instead")
         for layer in model.decoder.layers:

@@ -97,8 +97,8 @@ class Config:
 
     workdir: str = option(help="where data, checkpoints, logs and results.md go (default: work/demo in the clone, or "
                                "in the current directory when the package is installed)")
-    src: str = option("en", help="source language: the suffix of the raw files (PREFIX.SRC)")
-    tgt: str = option("fr", help="target language: the suffix of the raw files (PREFIX.TGT)")
+    src: str = option(toy_corpus.LANGUAGES[0], help="source language: the suffix of the raw files (PREFIX.SRC)")
+    tgt: str = option(toy_corpus.LANGUAGES[1], help="target language: the suffix of the raw files (PREFIX.TGT)")
     train: Optional[str] = option(None, help="prefix of raw training text (PREFIX.SRC, PREFIX.TGT; default: the "
                                              "generated toy corpus)")
     valid: Optional[str] = option(None, help="prefix of raw validation text")
@@ -200,12 +200,17 @@ def subprocess_env(cfg: Config) -> dict:
     return env
 
 
+def generated_corpus(cfg: Config) -> bool:
+    """Whether the run trains on the generated toy corpus: none of --train, --valid and --test given."""
+    return not any((cfg.train, cfg.valid, cfg.test))
+
+
 def _given_splits(cfg: Config) -> Dict[str, str]:
     """The raw splits the options name (split -> prefix); empty for the generated toy corpus. SystemExit unless
     --train, --valid and --test are given together."""
-    splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
-    if not any(splits.values()):
+    if generated_corpus(cfg):
         return {}
+    splits = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
     missing = [name for name, prefix in splits.items() if not prefix]
     if missing:
         raise SystemExit(f"give --train, --valid and --test together (missing: {', '.join(missing)})")
@@ -384,7 +389,7 @@ def option_problems(cfg: Config) -> List[str]:
     at_least = [("--max-update", cfg.max_update, 1), ("--max-tokens", cfg.max_tokens, 1),
                 ("--bpe-size", cfg.bpe_size, 1), ("--max-lines", cfg.max_lines, 0), ("--warmup", cfg.warmup, 0),
                 ("--seed", cfg.seed, 0), ("--threads", cfg.threads, 0), ("--finetune-updates", cfg.finetune_updates, 0)]
-    if not any((cfg.train, cfg.valid, cfg.test)):  # the generated corpus: English and French, its own sizes
+    if generated_corpus(cfg):  # English and French, its own sizes
         at_least += [(f"--toy-sizes ({split})", n, 1) for split, n in zip(("train", "valid", "test"), cfg.toy_sizes)]
         if cfg.src and cfg.tgt and cfg.src != cfg.tgt and (cfg.src, cfg.tgt) != toy_corpus.LANGUAGES:
             problems.append(f"--src {cfg.src} --tgt {cfg.tgt}: the generated toy corpus is "
@@ -534,7 +539,8 @@ def run_pipeline(cfg: Config) -> List[dict]:
         os.makedirs(path, exist_ok=True)
     env = subprocess_env(cfg)
     total = 6 if cfg.finetune_updates > 0 else 5
-    source = f"generated toy {'->'.join(toy_corpus.LANGUAGES)} corpus" if not cfg.train else f"files {cfg.train}/{cfg.valid}/{cfg.test}"
+    source = (f"generated toy {'->'.join(toy_corpus.LANGUAGES)} corpus" if generated_corpus(cfg)
+              else f"files {cfg.train}/{cfg.valid}/{cfg.test}")
     print(f"softtopk-fairseq demo pipeline: {source}; workdir {cfg.workdir}"
           + ("; resuming: completed stages are skipped" if resumed else ""))
 
