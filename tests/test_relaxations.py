@@ -45,6 +45,26 @@ def test_an_old_name_computes_what_the_new_one_does(monkeypatch):
         assert torch.equal(got, topk_attention_weights(scores, 3, mode=new))
 
 
+@pytest.mark.parametrize("name", relaxations.names("search"))
+@pytest.mark.parametrize("scaling", ["paper", "none"])
+def test_every_search_relaxation_gives_nan_on_the_rows_the_operator_refuses_and_the_others_as_alone(name, scaling):
+    """relax() on kept scores with a NaN or a +inf: NaN on those rows -- as fairseq expects from an overflow -- and
+    on the others what they get alone (the perturbed top-k: finite), with finite gradients (softmax_k_times and the
+    perturbed top-k once took +inf for a finite score, and gave it a weight). Scores whose paper temperature
+    overflows: NaN from the OT operator, which refuses them, the infinite temperature's limit from the others."""
+    kept = torch.tensor([[0.3, 0.2, 0.1, 0.0, -0.1], [torch.nan, 2.0, 1.0, 0.0, -1.0],
+                         [torch.inf, 2.0, 1.0, 0.0, -1.0], [3e38, -3e38, 1.0, 0.0, -1.0]], requires_grad=True)
+    relaxation = relaxations.make(name, "search", 2, 0.1, scaling=scaling)
+    A = relaxation.relax(kept).A
+    refused = [False, True, True, scaling == "paper" and name == "soft_topk"]
+    assert torch.isnan(A).flatten(1).all(-1).tolist() == refused
+    assert bool(torch.isfinite(A[0]).all())
+    if name != "perturbed":  # (its noise is drawn for the whole batch)
+        torch.testing.assert_close(A[:1], relaxation.relax(kept[:1].detach()).A)
+    (A[0] * torch.arange(10.0).view(5, 2)).sum().backward()  # (every rank column sums to 1: weighted)
+    assert bool(torch.isfinite(kept.grad[0]).all()) and bool(kept.grad[0].abs().sum() > 0)
+
+
 def test_register_refuses_a_taken_name_an_alias_and_unknown_uses():
     for name, uses in (("soft_topk", {"search"}), ("ot", {"search"}), ("fresh", {"decoding"}), ("", {"search"})):
         cls = type("Bad", (Relaxation,), {"name": name, "uses": frozenset(uses)})

@@ -252,9 +252,11 @@ def test_clear_errors(bad, exc, match):
 @pytest.mark.parametrize("bad, exc, match", [
     (dict(scores=torch.tensor(1.0)), ValueError, "scores must have at least one dimension"),
     (dict(scores=torch.ones(2, 3, dtype=torch.bool)), TypeError, "scores must be a floating-point tensor, got torch.bool"),
-    (dict(k=2.0), TypeError, "k must be an int, got float"),
-    (dict(k=torch.tensor(2)), TypeError, "k must be an int, got Tensor"),
+    (dict(k=2.0), TypeError, r"k must be an int, got 2.0 \(a float: pass int\(k\)\)"),
+    (dict(k=torch.tensor(2)), TypeError, r"k must be an int, got tensor\(2\) \(a Tensor"),
     (dict(k=4), ValueError, r"k must be in 1..n = 1..3 along dim -1, got k=4"),
+    (dict(scores=torch.ones(2, 0), k=1), ValueError,
+     r"scores have no entries along dim -1 \(shape \(2, 0\)\): nothing to select from"),
     (dict(dim=2), ValueError, r"dim=2 is out of range for scores with 2 dimension\(s\)"),
     (dict(temperature=torch.tensor(0.1)), TypeError, "{t} must be a Python float, got a Tensor"),
     (dict(temperature="0.1"), ValueError, r"{t} must be a Python float, got '0.1' \(a str: pass float\(...\)\)"),
@@ -264,7 +266,7 @@ def test_clear_errors(bad, exc, match):
     (dict(temperature=1e39), ValueError, r"{t}=1e\+39 is outside float32's range"),
     (dict(scores=torch.randn(2, 3, dtype=torch.float16), temperature=1e-46), ValueError,
      "{t}=1e-46 is outside float32's range"),
-    (dict(mask=torch.ones(2, 3)), TypeError, "mask must be a bool tensor"),
+    (dict(mask=torch.ones(2, 3)), TypeError, r"mask must be a bool tensor \(True = keep\), got torch.float32"),
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, r"mask of shape \(2, 2\) does not broadcast"),
     (dict(mask=torch.ones(4, 2, 3, dtype=torch.bool)), ValueError, r"mask of shape \(4, 2, 3\) does not broadcast"),
 ])
@@ -307,6 +309,31 @@ def test_the_public_temperature_helpers_check_their_arguments():
                                          r"scores without their last dimension, \(3,\), got \(1,\)"):
         divide_by_temperature(x, torch.ones(1))
     assert torch.equal(divide_by_temperature(x, torch.full((3,), 2.0)), x / 2)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_the_temperature_of_a_row_soft_topk_refuses_is_nan(largest):
+    """effective_epsilon gives NaN (no error, nothing read back) on exactly the rows soft_topk refuses as bad scores
+    -- a NaN, an infinity on the selected side that the mask keeps -- an infinite temperature on scores too large for
+    the paper scaling, and on the others the temperature soft_topk reports (a +inf row once got epsilon itself, a NaN
+    one a number); divide_by_temperature leaves an infinite score as it is, for the relaxation to refuse (it
+    clamped +inf to a valid finite score)."""
+    sign = 1.0 if largest else -1.0
+    x = sign * torch.tensor([[0.5, 1.0, 2.0, -1.0], [torch.nan, 1.0, 2.0, -1.0], [torch.inf, 1.0, 2.0, -1.0],
+                             [3e38, -3e38, 1.0, 0.0], [torch.inf, 1.0, 2.0, -1.0], [-torch.inf, 1.0, 2.0, -1.0]])
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    mask[4, 0] = False  # the masked infinity is excluded, not refused
+    got = effective_epsilon(x, 2, epsilon=0.1, largest=largest, scaling="paper", mask=mask)
+    assert torch.isnan(got).tolist() == [False, True, True, False, False, False]
+    assert float(got[3]) == torch.inf
+    fine = [0, 4, 5]
+    want = soft_topk(x[fine], 2, epsilon=0.1, largest=largest, scaling="paper", mask=mask[fine],
+                     return_info=True)[1].temperature
+    torch.testing.assert_close(got[fine], want)
+    assert torch.isnan(effective_epsilon(x, 2, epsilon=0.1, largest=largest, mask=mask)).tolist() == \
+        [False, True, True, False, False, False]  # (a constant temperature does not overflow)
+    scaled = divide_by_temperature(torch.tensor([[torch.inf, 1.0, -torch.inf, 3e38]]), torch.tensor([0.5]))
+    assert scaled.tolist() == [[torch.inf, 2.0, -torch.inf, torch.finfo(torch.float32).max]]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

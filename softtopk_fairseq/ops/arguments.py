@@ -78,14 +78,19 @@ def check_selection(op: str, scores, k, dim, temperature_name: str, temperature,
     check_scores(op, scores, dim)
     n = scores.shape[dim]
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
+        raise TypeError(f"{op}: k must be an int, got {k!r} (a {type(k).__name__}: pass int(k))")
+    if n == 0:
+        raise ValueError(f"{op}: scores have no entries along dim {dim} (shape {tuple(scores.shape)}): nothing to "
+                         "select from")
     if not 1 <= k <= n:
         raise ValueError(f"{op}: k must be in 1..n = 1..{n} along dim {dim}, got k={k}")
     for problem in temperature_problems(temperature_name, temperature, compute_dtype(scores.dtype)):
         raise (TypeError if isinstance(temperature, Tensor) else ValueError)(f"{op}: {problem}")
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"{op}: mask must be a bool tensor (True = keep)")
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"{op}: mask must be a bool tensor (True = keep), got {got}: pass mask.bool() or a "
+                            "comparison")
         if mask.device != scores.device:
             raise ValueError(f"{op}: mask is on {mask.device} but scores are on {scores.device}")
         try:

@@ -448,13 +448,20 @@ def valid_entries(x: Tensor, mask: Optional[Tensor]) -> Tensor:
     return valid if mask is None else valid & mask
 
 
+def bad_rows(x: Tensor, valid: Tensor) -> Tensor:
+    """(rows,) True on the rows of (rows, n) scores with a NaN anywhere or +inf on a ``valid`` entry (the op's
+    scores: already negated when largest=False): the rows ``BadScoresError`` is about, without reading anything
+    back."""
+    return torch.isnan(x).any(-1) | (torch.where(valid, x, -torch.inf).amax(-1) == torch.inf)
+
+
 def refused_rows(x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
     """(rows,) True on the rows of (rows, n) scores that the op refuses (the fused kernels' status bits, what
-    :func:`_check_scores` raises on), found by tensor operations without reading anything back: a NaN anywhere,
-    +inf on a valid entry, or an infinite temperature ``eps`` with a range of valid scores that overflows."""
+    :func:`_check_scores` raises on), found by tensor operations without reading anything back: the
+    :func:`bad_rows`, and an infinite temperature ``eps`` with a range of valid scores that overflows."""
     highest = torch.where(valid, x, -torch.inf).amax(-1)
     lowest = torch.where(valid, x, torch.inf).amin(-1)
-    return (torch.isnan(x).any(-1) | (highest == torch.inf) | (~(eps < torch.inf) & (highest - lowest == torch.inf)))
+    return bad_rows(x, valid) | (~(eps < torch.inf) & (highest - lowest == torch.inf))
 
 
 def solve_without_refused(x: Tensor, mask: Optional[Tensor], eps: Tensor, solve) -> Tuple[Tensor, ...]:

@@ -346,7 +346,10 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
     (over its valid entries: not ``-inf`` -- ``+inf`` with ``largest=False`` -- and not masked).
     Differentiable in ``scores`` (``detach`` it for bounds); ``softmax_k_times`` uses it for its temperature
     and callers that reason about the solution (e.g. bounds on pruned candidates) need it. Its arguments are
-    checked as :func:`soft_topk` checks them."""
+    checked as :func:`soft_topk` checks them; a row with a NaN, or an infinity on the selected side that the mask
+    keeps (what :func:`soft_topk` refuses with ``ops.BadScoresError``), gets a NaN temperature, without an error or
+    a read back: a relaxation that divides by it hands that row's NaN on. (Scores too large for the paper scaling
+    get its limit, an infinite temperature.)"""
     check_selection("effective_epsilon", scores, k, dim, "epsilon", epsilon, mask)
     if scaling not in SCALINGS:
         raise ValueError(f"effective_epsilon: scaling must be one of {SCALINGS}, got {scaling!r}")
@@ -354,8 +357,10 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
     if not largest:
         x = -x
     rows = x.reshape(-1, x.shape[-1])
-    return _row_temperature(rows, _row_mask(mask, scores.shape, dim), k, epsilon, sorted, scaling,
-                            backends.resolve("auto")).reshape(x.shape[:-1])
+    row_mask = _row_mask(mask, scores.shape, dim)
+    eps = _row_temperature(rows, row_mask, k, epsilon, sorted, scaling, backends.resolve("auto"))
+    bad = backends.bad_rows(rows, backends.valid_entries(rows, row_mask))
+    return torch.where(bad, torch.nan, eps).reshape(x.shape[:-1])
 
 
 class _DivideByTemperature(torch.autograd.Function):
@@ -364,7 +369,10 @@ class _DivideByTemperature(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, temperature: Tensor, valid: Tensor) -> Tensor:
         largest = torch.finfo(x.dtype).max
-        scaled = torch.where(valid, (x / temperature.unsqueeze(-1)).clamp(-largest, largest), -torch.inf)
+        quotient = x / temperature.unsqueeze(-1)
+        # (a finite score's quotient clamped; an infinite one -- a bad score -- stays as it is, to be refused)
+        quotient = torch.where(torch.isinf(x), quotient, quotient.clamp(-largest, largest))
+        scaled = torch.where(valid, quotient, -torch.inf)
         ctx.save_for_backward(scaled, temperature, valid)
         return scaled
 
@@ -381,8 +389,8 @@ class _DivideByTemperature(torch.autograd.Function):
 def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[Tensor] = None) -> Tensor:
     """``scores / T`` along the last dimension, ``T`` (rows,) per row (e.g. :func:`effective_epsilon`),
     differentiable in both; entries not ``valid`` (default: the ``-inf`` ones, the op's rule,
-    ``backends.valid_entries``) are ``-inf`` with zero gradient. A NaN score stays NaN, for the relaxation it is
-    handed to to refuse (it is not an excluded entry: that would hide a broken model). Safe where the naive
+    ``backends.valid_entries``) are ``-inf`` with zero gradient. A NaN or ``+inf`` score stays as it is, for the
+    relaxation it is handed to to refuse (it is not an excluded entry: that would hide a broken model). Safe where the naive
     division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is ``inf * 0 = NaN``),
     ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2`` underflows, and a finite
     score whose quotient leaves the float range is clamped to +-``finfo.max`` (a valid entry stays one -- an
