@@ -390,13 +390,13 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
     """``scores / T`` along the last dimension, ``T`` (rows,) per row (e.g. :func:`effective_epsilon`),
     differentiable in both; entries not ``valid`` (default: the ``-inf`` ones, the op's rule,
     ``backends.valid_entries``) are ``-inf`` with zero gradient. A NaN or ``+inf`` score stays as it is, for the
-    relaxation it is handed to to refuse (it is not an excluded entry: that would hide a broken model). Safe where the naive
-    division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is ``inf * 0 = NaN``),
+    relaxation it is handed to to refuse (it is not an excluded entry: that would hide a broken model). Safe where
+    the naive division is not: an excluded ``-inf`` never enters it (``d(x / T)/dT`` there is ``inf * 0 = NaN``),
     ``dL/dT = -sum_i dL/du_i u_i / T`` with ``u = x / T`` stays finite where ``T**2`` underflows, and a finite
     score whose quotient leaves the float range is clamped to +-``finfo.max`` (a valid entry stays one -- an
     overflow to ``+inf`` would read as a bad score, to ``-inf`` as an excluded one -- and a zero ``dL/du`` there
-    is no ``0 * inf``); the gradient is that of ``x / T`` throughout. For
-    relaxations that take the temperature as a division of the scores (softmax-k-times, the perturbed top-k at
+    is no ``0 * inf``); the gradient is that of ``x / T`` throughout. For relaxations that take the temperature as
+    a division of the scores (softmax-k-times, the perturbed top-k at
     ``sigma = 1``)."""
     if not isinstance(temperature, Tensor) or temperature.shape != scores.shape[:-1]:
         shape = tuple(temperature.shape) if isinstance(temperature, Tensor) else type(temperature).__name__
