@@ -396,8 +396,7 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
     score whose quotient leaves the float range is clamped to +-``finfo.max`` (a valid entry stays one -- an
     overflow to ``+inf`` would read as a bad score, to ``-inf`` as an excluded one -- and a zero ``dL/du`` there
     is no ``0 * inf``); the gradient is that of ``x / T`` throughout. For relaxations that take the temperature as
-    a division of the scores (softmax-k-times, the perturbed top-k at
-    ``sigma = 1``)."""
+    a division of the scores (softmax-k-times, the perturbed top-k at ``sigma = 1``)."""
     if not isinstance(temperature, Tensor) or temperature.shape != scores.shape[:-1]:
         shape = tuple(temperature.shape) if isinstance(temperature, Tensor) else type(temperature).__name__
         raise ValueError(f"divide_by_temperature: temperature must be a tensor shaped like the scores without their "
