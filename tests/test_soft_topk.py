@@ -128,6 +128,44 @@ def test_gradcheck_finite_differences(sorted):
 
 
 @pytest.mark.parametrize("sorted", [False, True])
+def test_second_derivatives_on_the_pytorch_path_and_a_clear_error_elsewhere(sorted):
+    """backend="torch" differentiates its backward again (gradgradcheck; float32 as float64). Where the second
+    derivative would be wrong -- through a fused kernel's backward (it was 0 without a word), or with the paper
+    scaling, whose temperature's share of the gradient is first-order (it was wrong, or an in-place error) -- the
+    first derivatives under create_graph are the same, and differentiating them raises, naming the fix."""
+    torch.manual_seed(8)
+    x = torch.randn(2, 6, dtype=f64)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 0] = False
+    weights = torch.randn((2, 6, 2) if sorted else (2, 6), dtype=f64)
+
+    def op(z, backend="torch", scaling="none"):
+        return soft_topk(z, 2, epsilon=0.5, sorted=sorted, scaling=scaling, mask=mask, backend=backend)
+
+    assert torch.autograd.gradgradcheck(op, (x.requires_grad_(),))
+    want = torch.autograd.functional.hessian(lambda z: (op(z) * weights).sum(), x.detach())
+    got = torch.autograd.functional.hessian(lambda z: (op(z) * weights.float()).sum(), x.detach().float())
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+    kernel = "soft_topk: the backward of backend='{}' is a kernel, not differentiable again: for second " \
+             "derivatives use backend='torch'"
+    paper = r"{}: no second derivatives with scaling='paper' \(the temperature's share of the gradient is taken " \
+            r"to first order\); use scaling='none' with backend='torch'"
+    cases = [(b, "none", kernel.format(b)) for b in ("cpu", "triton")]
+    cases += [(b, "paper", paper.format("soft_topk")) for b in ("cpu", "triton", "torch")]
+    for backend, scaling, message in cases:
+        z = x.detach().float().requires_grad_()
+        grad, = torch.autograd.grad((op(z, backend, scaling) * weights.float()).sum(), z, create_graph=True)
+        plain, = torch.autograd.grad((op(z, backend, scaling) * weights.float()).sum(), z)
+        assert torch.equal(grad.detach(), plain)
+        with pytest.raises(RuntimeError, match=message):
+            torch.autograd.grad(grad.square().sum(), z)
+    z = x.detach().requires_grad_()
+    grad, = torch.autograd.grad(effective_epsilon(z, 2, scaling="paper").sum(), z, create_graph=True)
+    with pytest.raises(RuntimeError, match=paper.format("effective_epsilon")):
+        torch.autograd.grad(grad.square().sum(), z)
+
+
+@pytest.mark.parametrize("sorted", [False, True])
 def test_gradcheck_with_masks_short_and_empty_rows(sorted):
     torch.manual_seed(7)
     x = torch.randn(4, 8, dtype=f64)

@@ -79,6 +79,8 @@ class Backend(abc.ABC):
     """The interface of a backend (module docstring); ``name`` is the ``backend=`` value that names it."""
 
     name = ""
+    # whether :meth:`gradients` is differentiable itself (second derivatives): tensor operations are, a kernel is not
+    differentiable_backward = False
 
     @abc.abstractmethod
     def solve(self, x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions) -> Tuple[Tensor, Tensor]:
@@ -121,6 +123,7 @@ class TorchBackend(Backend):
     dtype, Newton or Sinkhorn."""
 
     name = "torch"
+    differentiable_backward = True
 
     def solve(self, x, mask, eps, opts):
         if opts.check_errors:

@@ -31,7 +31,10 @@ sort of its valid entries over ranks ``0..n_valid-1`` (sorted; ranks ``>= n_vali
 is all zeros. NaN or ``+inf`` scores (``ops.BadScoresError``; with ``check_errors=False`` a NaN row of output
 instead), ``k`` outside ``1..n``, an ``epsilon`` that is not a number > 0 within the range of the type it is computed in,
 and non-float scores raise.
-float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64.
+float16/bfloat16 are computed in float32 and returned in their dtype; float64 stays float64. Second derivatives
+(``create_graph=True``, then a backward through the gradient) are those of the PyTorch path, ``backend="torch"``,
+with ``scaling="none"``; elsewhere differentiating the gradient raises (a fused kernel's backward is not
+differentiable again; the paper temperature's share of the gradient is first-order).
 """
 import warnings
 from typing import NamedTuple, Optional, Tuple
@@ -89,9 +92,40 @@ def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions, b
 
 
 def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions,
-               backend: str, eps_grad: bool) -> Tuple[Tensor, Tensor]:
-    impl = backends.select(x, "newton", backend)
-    return _with_fallback(backend, impl, lambda b: b.gradients(grad_out, out, x, mask, eps, opts, eps_grad))
+               backend: str, eps_grad: bool, eager: bool = True) -> Tuple[Tensor, Tensor]:
+    """dL/dx and dL/deps by the backend that runs the call; in eager mode, not differentiable again unless by
+    tensor operations (:func:`_first_order_only`; under torch.compile, AOTAutograd refuses double backward
+    itself)."""
+    def call(b: backends.Backend):
+        grad_x, grad_eps = b.gradients(grad_out, out, x, mask, eps, opts, eps_grad)
+        if b.differentiable_backward or not eager:
+            return grad_x, grad_eps
+        return _first_order_only(_kernel_backward(b), out, grad_x, grad_eps)
+
+    return _with_fallback(backend, backends.select(x, "newton", backend), call)
+
+
+def _first_order_only(message: str, out: Tensor, *grads: Tensor) -> Tuple[Tensor, ...]:
+    """Gradients ``grads`` of the op's output ``out`` that are not differentiable again, as they are -- or, while a
+    graph of the backward is being built (``create_graph=True``: a second derivative may follow), aliases whose own
+    backward raises ``message``, tied to the scores' graph through ``out``: a second derivative through them would
+    be wrong without a word (0 through a kernel). (``torch.autograd.function.once_differentiable`` ties its error
+    to the incoming gradients only, which need not depend on the scores.)"""
+    if not torch.is_grad_enabled():
+        return grads
+    error = torch._C._functions.DelayedError(message.encode(), len(grads) + 1)
+    aliases = error(*[g.detach() for g in grads], out)
+    return aliases[:-1]
+
+
+def _kernel_backward(impl: backends.Backend) -> str:
+    return (f"soft_topk: the backward of backend={impl.name!r} is a kernel, not differentiable again: for second "
+            "derivatives use backend='torch'")
+
+
+def _paper_backward(op: str) -> str:
+    return (f"{op}: no second derivatives with scaling='paper' (the temperature's share of the gradient is taken "
+            "to first order); use scaling='none' with backend='torch'")
 
 
 # The custom op's arguments are what torch.library's schema takes (tensors and scalars): the options spelled out.
@@ -112,7 +146,7 @@ def _soft_topk_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optio
                            sorted: bool, backend: str, eps_grad: bool, check_errors: bool) -> Tuple[Tensor, Tensor]:
     # (tol, max_iter and method do not enter the backward)
     return _gradients(grad_out, out, x, mask, eps, SolveOptions(k, sorted, 0.0, 0, "newton", check_errors), backend,
-                      eps_grad)
+                      eps_grad, eager=False)
 
 
 @_soft_topk_backward_op.register_fake
@@ -137,10 +171,11 @@ _soft_topk_op.register_autograd(_backward_fn, setup_context=_setup_context)
 
 
 def _add_paper_temperature_grad(grad_x: Tensor, grad_eps: Tensor, at: Tensor, slope: Tensor) -> Tensor:
-    """``grad_x`` (rows, n; in place) plus dL/deps * d eps / d x: under the paper scaling the temperature depends
-    on one entry per row, ``at``, with derivative ``slope`` there (:class:`_PaperTemperature`)."""
-    return grad_x.scatter_add_(-1, at.unsqueeze(-1),
-                               implicit_backward.paper_temperature_grad(grad_eps, slope).unsqueeze(-1))
+    """``grad_x`` (rows, n; in place, unless a graph of the backward is being built) plus dL/deps * d eps / d x:
+    under the paper scaling the temperature depends on one entry per row, ``at``, with derivative ``slope`` there
+    (:class:`_PaperTemperature`)."""
+    add = grad_x.scatter_add if torch.is_grad_enabled() else grad_x.scatter_add_
+    return add(-1, at.unsqueeze(-1), implicit_backward.paper_temperature_grad(grad_eps, slope).unsqueeze(-1))
 
 
 class _SoftTopKEager(torch.autograd.Function):
@@ -167,7 +202,8 @@ class _SoftTopKEager(torch.autograd.Function):
         paper = at is not None
         grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.opts, ctx.backend, paper)
         if paper:
-            _add_paper_temperature_grad(grad_x, grad_eps, at, slope)
+            grad_x, = _first_order_only(_paper_backward("soft_topk"), out,
+                                        _add_paper_temperature_grad(grad_x, grad_eps, at, slope))
         return grad_x, None, None, None, None, None
 
 
@@ -192,7 +228,8 @@ class _Fused(torch.autograd.Function):
     def backward(ctx, grad_out, grad_report):
         out, x, eps, at, slope = ctx.saved_tensors
         grad = ctx.impl.thin_backward(out, grad_out.contiguous(), x, ctx.k, ctx.sorted, ctx.epsilon, eps, at, slope)
-        return grad, None, None, None, None, None, None, None, None
+        message = _paper_backward("soft_topk") if at is not None else _kernel_backward(ctx.impl)
+        return _first_order_only(message, out, grad)[0], None, None, None, None, None, None, None, None
 
 
 class _RefusedUnchecked(Exception):
@@ -316,14 +353,15 @@ class _PaperTemperature(torch.autograd.Function):
     def forward(ctx, x: Tensor, mask: Optional[Tensor], anchor_top: float, epsilon: float,
                 impl: backends.Backend) -> Tensor:
         eps, at, slope = impl.paper_temperature(x, mask, anchor_top, epsilon)
-        ctx.save_for_backward(at, slope)
+        ctx.save_for_backward(at, slope, eps)
         ctx.shape = x.shape
         return eps
 
     @staticmethod
     def backward(ctx, grad_eps):
-        at, slope = ctx.saved_tensors
-        return _add_paper_temperature_grad(grad_eps.new_zeros(ctx.shape), grad_eps, at, slope), None, None, None, None
+        at, slope, eps = ctx.saved_tensors
+        grad_x = _add_paper_temperature_grad(grad_eps.new_zeros(ctx.shape), grad_eps, at, slope)
+        return _first_order_only(_paper_backward("effective_epsilon"), eps, grad_x)[0], None, None, None, None
 
 
 def _row_temperature(x: Tensor, mask: Optional[Tensor], k: int, epsilon: float, sorted: bool, scaling: str,
