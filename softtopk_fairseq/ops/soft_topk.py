@@ -37,14 +37,15 @@ with ``scaling="none"``; elsewhere differentiating the gradient raises (a fused 
 differentiable again; the paper temperature's share of the gradient is first-order).
 """
 import warnings
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from softtopk_fairseq import defaults
 from softtopk_fairseq.ops import backends, cpu_kernels, implicit_backward
-from softtopk_fairseq.ops.arguments import check_selection, mask_along_last, solver_option_problems
+from softtopk_fairseq.ops.arguments import (check_selection, count_problems, mask_along_last, solver_option_problems,
+                                            temperature_problems)
 from softtopk_fairseq.ops.backends import SolveOptions
 from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSED
 
@@ -328,17 +329,23 @@ def _warn_if_capped(info: Tensor, tol: float, max_iter: int) -> None:
 
 def _validate(scores, k, epsilon, scaling, method, backend, mask, dim, tol, max_iter):
     check_selection("soft_topk", scores, k, dim, "epsilon", epsilon, mask)
-    for problem in solver_option_problems(tol, max_iter):
+    for problem in _option_problems(scaling, method, backend, tol, max_iter):
         raise ValueError(f"soft_topk: {problem}")
+
+
+def _option_problems(scaling, method, backend, tol, max_iter) -> List[str]:
+    """What is wrong with the options of :func:`soft_topk` that do not depend on the scores."""
+    problems = solver_option_problems(tol, max_iter)
     if scaling not in SCALINGS:
-        raise ValueError(f"soft_topk: scaling must be one of {SCALINGS}, got {scaling!r}")
+        problems.append(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     if method not in METHODS:
-        raise ValueError(f"soft_topk: method must be one of {METHODS}, got {method!r}")
+        problems.append(f"method must be one of {METHODS}, got {method!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"soft_topk: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in backends.FUSED and method != "newton":
-        raise ValueError(f"soft_topk: the fused kernels (backend={backend!r}) solve by Newton's method, not "
-                         f"method={method!r}; use backend='torch' or 'auto' for it")
+        problems.append(f"backend must be one of {BACKENDS}, got {backend!r}")
+    elif backend in backends.FUSED and method != "newton":
+        problems.append(f"the fused kernels (backend={backend!r}) solve by Newton's method, not method={method!r}; "
+                        "use backend='torch' or 'auto' for it")
+    return problems
 
 
 class _PaperTemperature(torch.autograd.Function):
@@ -561,12 +568,18 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
 
 
 class SoftTopK(nn.Module):
-    """``nn.Module`` wrapper of :func:`soft_topk` with fixed ``k``, ``epsilon`` and options."""
+    """``nn.Module`` wrapper of :func:`soft_topk` with fixed ``k``, ``epsilon`` and options, checked when it is
+    built (what depends on the scores -- ``k`` against their size, ``epsilon`` against the type they are computed
+    in -- when it is called)."""
 
     def __init__(self, k: int, epsilon: float = defaults.EPSILON, *, dim: int = -1, sorted: bool = False,
                  largest: bool = True, scaling: str = defaults.OPERATOR_SCALING, tol: Optional[float] = None,
                  max_iter: Optional[int] = None, method: str = defaults.SOLVER_METHOD, backend: str = "auto"):
         super().__init__()
+        problems = (count_problems("k", k) + temperature_problems("epsilon", epsilon, torch.float64)
+                    + _option_problems(scaling, method, backend, tol, max_iter))
+        if problems:
+            raise ValueError("SoftTopK: " + "; ".join(problems))
         self.k, self.epsilon, self.dim, self.sorted, self.largest = k, epsilon, dim, sorted, largest
         self.scaling, self.tol, self.max_iter, self.method, self.backend = scaling, tol, max_iter, method, backend
 
