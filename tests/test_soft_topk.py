@@ -253,8 +253,8 @@ def test_module_wrapper():
     x = torch.randn(4, 7)
     torch.testing.assert_close(m(x), soft_topk(x, 2, epsilon=0.2, sorted=True))
     assert "k=2" in repr(m)
-    with pytest.raises(ValueError, match=r"SoftTopK: k must be an int >= 1, got 0; epsilon must be a finite number > 0, "
-                                         r"got -1.0; scaling must be one of \('none', 'paper'\), got 'x'"):
+    with pytest.raises(ValueError, match=r"SoftTopK: k must be an int >= 1, got 0; epsilon must be a finite number "
+                                         r"> 0, got -1.0; scaling must be one of \('none', 'paper'\), got 'x'"):
         SoftTopK(0, epsilon=-1.0, scaling="x")
     with pytest.raises(ValueError, match=r"SoftTopK: the fused kernels \(backend='cpu'\) solve by Newton's method"):
         SoftTopK(2, method="sinkhorn", backend="cpu")
