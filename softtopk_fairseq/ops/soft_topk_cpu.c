@@ -342,7 +342,9 @@ typedef void (*row_fn)(int64_t r, workspace *w, const void *ctx);
  * an anchor, and products of two such weights, fall below the smallest normal float (1.2e-38): computed exactly,
  * every operation on one is a microcode assist, tens of times slower, and they dominated the sorted solve there.
  * Flushed, each is 0 -- a change of at most 1.2e-38 per weight, far below float32 resolution of the masses (>= 1)
- * and of any output that is not itself 0 to working precision. */
+ * and of any output that is not itself 0 to working precision. Scores that are themselves subnormal are read as 0
+ * too: a change of at most 1.2e-38 / epsilon in a scaled score, below float32 resolution for epsilon >= 1e-30; at a
+ * smaller epsilon it can change the output (the PyTorch path, backend="torch", computes it exactly). */
 typedef struct { unsigned int saved; } subnormals_off;
 
 static inline subnormals_off flush_subnormals(void) {
