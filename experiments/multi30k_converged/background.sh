@@ -40,6 +40,9 @@ start)
     OMP_NUM_THREADS=${THREADS:-2} PATH="$root/.venv/bin:$PATH" PYTHONPATH="$work/code" \
         setsid "${cmd[@]}" >> "$work/en_$pair.log" 2>&1 &
     echo $! > "$pidfile"
+    # Under the kernel's autogroup scheduling (sched_autogroup_enabled), nice ranks processes within their session
+    # only: the new session (setsid) would get an equal share of the CPU against the foreground's; its group niced.
+    if [[ -w /proc/$!/autogroup ]]; then echo 19 > "/proc/$!/autogroup" || true; fi
     echo "background.sh: started (process group $!), log $work/en_$pair.log"
     ;;
 pause | resume)
