@@ -32,17 +32,17 @@ start)
         printf '%q ' "${cmd[@]}"; echo
         exit 0
     fi
-    # Under the kernel's autogroup scheduling (sched_autogroup_enabled), nice ranks processes within their session
-    # only: the new session (setsid) would get an equal share of the CPU against the foreground's. Its group is
-    # niced from inside it (the session exists only once setsid has run).
-    niced_session='if [[ -w /proc/self/autogroup ]]; then echo 19 > /proc/self/autogroup || true; fi; exec "$@"'
+    # Under the kernel's autogroup scheduling (sched_autogroup_enabled), nice ranks processes only within their
+    # autogroup, and setsid starts a new one: it would get an equal share of the CPU against the foreground's. It is
+    # niced from inside (it exists only after setsid has run).
+    niced_group='if [[ -w /proc/self/autogroup ]]; then echo 19 > /proc/self/autogroup || true; fi; exec "$@"'
     bash "$root/scripts/setup_env.sh"
     rm -rf "$work/code" && mkdir -p "$work/code"
     git -C "$root" archive HEAD | tar -x -C "$work/code"
     git -C "$root" rev-parse HEAD > "$work/code/COMMIT"  # (the driver's COMMIT_FILE: each start's log records it)
     # (PYTHONPATH: fairseq-train would import the checkout's package, installed in the venv in place of the snapshot's)
     OMP_NUM_THREADS=${THREADS:-2} PATH="$root/.venv/bin:$PATH" PYTHONPATH="$work/code" \
-        setsid bash -c "$niced_session" background "${cmd[@]}" >> "$work/en_$pair.log" 2>&1 &
+        setsid bash -c "$niced_group" background "${cmd[@]}" >> "$work/en_$pair.log" 2>&1 &
     echo $! > "$pidfile"
     echo "background.sh: started (process group $!), log $work/en_$pair.log"
     ;;
