@@ -451,11 +451,13 @@ def valid_entries(x: Tensor, mask: Optional[Tensor]) -> Tensor:
     return valid if mask is None else valid & mask
 
 
-def bad_rows(x: Tensor, valid: Tensor) -> Tensor:
+def bad_rows(x: Tensor, valid: Tensor, highest: Optional[Tensor] = None) -> Tensor:
     """(rows,) True on the rows of (rows, n) scores with a NaN anywhere or +inf on a ``valid`` entry (the op's
     scores: already negated when largest=False): the rows ``BadScoresError`` is about, without reading anything
-    back."""
-    return torch.isnan(x).any(-1) | (torch.where(valid, x, -torch.inf).amax(-1) == torch.inf)
+    back. ``highest``: each row's largest valid score, when the caller has it."""
+    if highest is None:
+        highest = torch.where(valid, x, -torch.inf).amax(-1)
+    return torch.isnan(x).any(-1) | (highest == torch.inf)
 
 
 def refused_rows(x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
@@ -464,7 +466,7 @@ def refused_rows(x: Tensor, valid: Tensor, eps: Tensor) -> Tensor:
     :func:`bad_rows`, and an infinite temperature ``eps`` with a range of valid scores that overflows."""
     highest = torch.where(valid, x, -torch.inf).amax(-1)
     lowest = torch.where(valid, x, torch.inf).amin(-1)
-    return bad_rows(x, valid) | (~(eps < torch.inf) & (highest - lowest == torch.inf))
+    return bad_rows(x, valid, highest) | (~(eps < torch.inf) & (highest - lowest == torch.inf))
 
 
 def solve_without_refused(x: Tensor, mask: Optional[Tensor], eps: Tensor, solve) -> Tuple[Tensor, ...]:
