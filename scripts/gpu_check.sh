@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one command, with one summary of the figures:
 #   bash scripts/gpu_check.sh [--quick] [OUTDIR]          (default OUTDIR: work/gpu_check)
-# --quick: for a short GPU lease, at most 6 minutes of wall time from a bare start (the wheels' install included):
+# --quick: for a short time on a GPU, at most 6 minutes of wall time from a bare start (the wheels' install included):
 #   every CUDA test, the operator's call cost at training sizes against the hard top-k with its targets
 #   (bench_soft_topk.py --tables call_cost), and a few fp16 fairseq-train updates of soft_beam_search and
 #   transformer_topk_attn -- each section stopped at its budget (QUICK_BUDGET_S below), whatever it left written

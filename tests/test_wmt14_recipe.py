@@ -4,6 +4,7 @@ WMT14 collection step on a fake download (no network in tests)."""
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,11 +155,16 @@ def test_recipe_trains_fine_tunes_and_evaluates(prepared):
     out = _run("bash", os.path.join(RECIPE, "train.sh"), dest, ckpt / "tf", *TINY_TRAIN, "--max-update", 3)
     assert "num_updates 3" in out or "num_updates=3" in out
     pretrained = ckpt / "tf" / "checkpoint_last.pt"
-    out = _run("bash", os.path.join(RECIPE, "finetune_soft_beam.sh"), dest, pretrained, ckpt / "soft_beam",
-               *TINY_TRAIN, "--max-update", 2, "--soft-beam-size", 2, "--soft-beam-candidates", 8,
-               "--soft-beam-epsilon", 0.05)  # (the flag as documented overrides the script's)
-    assert "soft_loss" in out and "loaded checkpoint" in out.lower()
+    finetune = ("bash", os.path.join(RECIPE, "finetune_soft_beam.sh"), dest, pretrained, ckpt / "soft_beam",
+                *TINY_TRAIN, "--soft-beam-size", 2, "--soft-beam-candidates", 8,
+                "--soft-beam-epsilon", 0.05)  # (the flag as documented overrides the script's)
+    out = _run(*finetune, "--max-update", 2)
+    assert "soft_loss" in out and f"loading pretrained model from {pretrained}" in out
     assert "soft_beam_epsilon=0.05" in out.replace("'", "").replace(": ", "=")
+    out = _run(*finetune, "--max-update", 3)  # run again: it resumes from its own last checkpoint
+    assert "loading pretrained model" not in out
+    assert re.search(r"Loaded checkpoint \S*soft_beam/checkpoint_last\.pt \(epoch \d+ @ 2 updates\)", out), out
+    assert "num_updates 3" in out or "num_updates=3" in out
     out = _run("bash", os.path.join(RECIPE, "train_topk_attn.sh"), dest, ckpt / "topk_attn", *TINY_TRAIN,
                "--max-update", 2)
     assert "rnnsearch_topk_attn" in out

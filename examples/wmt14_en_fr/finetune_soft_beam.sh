@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Soft beam-search fine-tuning of a teacher-forcing checkpoint (App. D and I.2): L = rho L_tf + (1-rho) L_SOFT
 # with rho 0.8, beam 5, epsilon 0.1 (the authors' normalisation of the cost), SGD at learning rate 0.05
-# for 1e5 updates, fresh optimizer and counters.
+# for 1e5 updates, fresh optimizer and counters. Run again with the same SAVE_DIR, it resumes from its
+# checkpoint_last.pt (--finetune-from-model reads PRETRAINED only while SAVE_DIR has none).
 #
 #   bash examples/wmt14_en_fr/finetune_soft_beam.sh DEST PRETRAINED_CHECKPOINT SAVE_DIR [extra arguments]
 #
@@ -16,7 +17,7 @@ if [ ! -f "$PRETRAINED" ]; then echo "error: checkpoint $PRETRAINED not found (r
 
 "$PYTHON" -m fairseq_cli.train "$DEST/bin" --user-dir "$USER_DIR" \
     --arch rnnsearch_wmt14_en_fr --dropout 0.3 \
-    --restore-file "$PRETRAINED" --reset-optimizer --reset-lr-scheduler --reset-meters --reset-dataloader \
+    --finetune-from-model "$PRETRAINED" \
     --criterion soft_beam_search --label-smoothing 0.1 --teacher-forcing-ratio 0.8 \
     --soft-beam-size 5 --soft-beam-epsilon 0.1 --soft-beam-scaling paper --soft-beam-candidates 50 \
     --optimizer sgd --lr 0.05 --clip-norm 5.0 --lr-scheduler fixed \

@@ -394,7 +394,8 @@ def rerun_table(pairs: List[Pair]) -> List[str]:
             if original is None:
                 continue
             if not lines:
-                lines = ["A pre-training was trained again when its checkpoint was gone (each fine-tuning of the "
+                lines = ["Checkpoints are not kept once a run is scored; a pre-training that a later fine-tuning "
+                         "started from was trained again by its ledger row's recipe (each fine-tuning of the "
                          "converged study names the run it started from):", "",
                          "| rerun | of | pair | epochs (original / rerun) | best update | BLEU val | BLEU test |",
                          "|---|---|---|---|---|---|---|"]
@@ -802,9 +803,10 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         "p-values (per seed and pooled, BLEU and chrF, bootstrap and randomisation): at 0.05, a few of them are "
         "below it by chance alone. Every choice of the study (checkpoint, sweep) saw val; test_2016_flickr was "
         "scored for every run. Three further test sets (test_2017_flickr, test_2018_flickr, test_2017_mscoco; "
-        "sources only) were translated by every en-de run and by every en-fr run trained after they were added -- "
-        "the earlier en-fr runs' checkpoints no longer existed, and they were not trained again for this -- and "
-        "are scored outside the project: their hypotheses are in "
+        "sources only) were translated by every en-de run and by the en-fr runs of the fine-tuning to convergence, "
+        "the pre-trainings it started from and the softmax baseline with a longer patience -- the other en-fr "
+        "runs' checkpoints were not kept, and they were not trained again for this -- and are scored outside "
+        "the project: their hypotheses are in "
         "`experiments/multi30k_converged/*.blind/`, and nothing here reads them.",
         "",
         f"Reproduce this page: `{COMMAND}` (the tests are cached beside the ledgers; delete "
