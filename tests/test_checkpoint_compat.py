@@ -45,6 +45,38 @@ def test_plugin_allows_the_numpy_meters_of_an_eval_bleu_checkpoint(tmp_path):
     assert _load_in_fresh_process(path, "import softtopk_fairseq.fairseq_plugin") == "LOADED lstm"
 
 
+
+def _renaming_numpy(path, written_by: int):
+    """Rewrite the checkpoint at ``path`` as numpy ``written_by`` (1 or 2) would have pickled it: its pickle names
+    numpy's array reconstruction by that version's module (protocol 2 names globals as text lines)."""
+    import zipfile
+
+    names = {1: b"numpy.core.multiarray\n", 2: b"numpy._core.multiarray\n"}
+    with zipfile.ZipFile(path) as z:
+        entries = [(info, z.read(info)) for info in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for info, data in entries:
+            if info.filename.endswith("/data.pkl"):
+                assert names[3 - written_by] in data or names[written_by] in data
+                data = data.replace(names[3 - written_by], names[written_by])
+            z.writestr(info, data)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6),
+                    reason="torch < 2.6 cannot allow-list an object under another name")
+@pytest.mark.parametrize("written_by", [1, 2])
+def test_the_numpy_meters_load_whichever_numpy_major_version_wrote_them(tmp_path, written_by):
+    """A checkpoint_best.pt written where numpy 1 runs (the lowest supported versions) loads where numpy 2 does,
+    and the other way round: its pickle names numpy.core or numpy._core, whichever numpy runs here."""
+    import numpy as np
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"args": argparse.Namespace(arch="lstm"), "model": {"w": torch.zeros(2)},
+                "extra_state": {"metrics": {"counts": np.array([116, 104, 92, 80]), "best": np.float64(3.5)}}}, path)
+    _renaming_numpy(path, written_by)
+    assert _load_in_fresh_process(path, "").startswith("REFUSED")
+    assert _load_in_fresh_process(path, "import softtopk_fairseq.fairseq_plugin") == "LOADED lstm"
+
 # ------------------------------------------------------------------- checkpoints and flags of version 0.1 ----
 
 V0 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "v0_topk_attn")
