@@ -14,7 +14,11 @@ from fairseq.optim.lr_scheduler.reduce_lr_on_plateau import (
 from fairseq.optim.sgd import SGD
 
 import softtopk_fairseq.fairseq_plugin  # noqa: F401
-from softtopk_fairseq.lr_schedulers.resumable_plateau import ResumableReduceLROnPlateau
+from softtopk_fairseq.lr_schedulers.resumable_plateau import (
+    ResumableReduceLROnPlateau,
+    ResumableReduceLROnPlateauConfig,
+    validated_at_end_of,
+)
 
 from fairseq_cli import USER_DIR, fairseq, tiny_arch  # the tests' helper module, which shadows fairseq's package
 
@@ -58,36 +62,47 @@ def fresh_process_state():
     _reset_fairseq_globals()
 
 
-def _build(scheduler_class):
+UPDATES_PER_EPOCH = 10
+
+
+def _build(scheduler_class, validate_interval=1):
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = SGD(argparse.Namespace(lr=[1.0], momentum=0.0, weight_decay=0.0), [param])
-    cfg = ReduceLROnPlateauLRScheduleConfig(lr=[1.0], lr_shrink=0.5, lr_patience=1,
-                                            maximize_best_checkpoint_metric=True)
+    cfg = ResumableReduceLROnPlateauConfig(lr=[1.0], lr_shrink=0.5, lr_patience=1,
+                                           maximize_best_checkpoint_metric=True, validate_interval=validate_interval,
+                                           validate_interval_updates=0, validate_after_updates=0,
+                                           disable_validation=False)
     return optimizer, scheduler_class(cfg, optimizer)
 
 
-def _run(scheduler_class, stop_after=None):
-    """fairseq-train's end-of-epoch sequence (validate, early-stopping check, save, then the plateau step), with a
-    restart from the checkpoint of epoch ``stop_after`` as a new process would load it: (learning rate after each
-    epoch's step, the epoch training stopped at)."""
+def _run(scheduler_class, stop_after=None, validate_interval=1):
+    """fairseq-train's end-of-epoch sequence (validate every ``validate_interval`` epochs, early-stopping check,
+    save, then the plateau step), with a restart from the checkpoint of epoch ``stop_after`` as a new process
+    would load it: (learning rate after each epoch's step, the epoch training stopped at)."""
     stop_cfg = argparse.Namespace(checkpoint=argparse.Namespace(patience=PATIENCE,
                                                                 maximize_best_checkpoint_metric=True))
-    optimizer, scheduler = _build(scheduler_class)
+    optimizer, scheduler = _build(scheduler_class, validate_interval)
     rates = []
     for epoch, score in enumerate(SCORES, start=1):
+        scheduler.step_update(epoch * UPDATES_PER_EPOCH)
+        if epoch % validate_interval:
+            score = None  # not validated: fairseq steps the scheduler without a score
         should_stop = fairseq_train.should_stop_early(stop_cfg, score)
-        best = max(score, getattr(checkpoint_utils.save_checkpoint, "best", -math.inf))
-        checkpoint_utils.save_checkpoint.best = best
+        if score is not None:
+            best = max(score, getattr(checkpoint_utils.save_checkpoint, "best", -math.inf))
+            checkpoint_utils.save_checkpoint.best = best
         checkpoint = {"scheduler": scheduler.state_dict(), "optimizer": optimizer.state_dict(),
-                      "best": checkpoint_utils.save_checkpoint.best}
+                      "best": getattr(checkpoint_utils.save_checkpoint, "best", None)}
         if should_stop:
             return rates, epoch
         if epoch == stop_after:  # the process ends here; a new one continues from the checkpoint
             _reset_fairseq_globals()
-            checkpoint_utils.save_checkpoint.best = checkpoint["best"]
-            optimizer, scheduler = _build(scheduler_class)
+            if checkpoint["best"] is not None:
+                checkpoint_utils.save_checkpoint.best = checkpoint["best"]
+            optimizer, scheduler = _build(scheduler_class, validate_interval)
             scheduler.load_state_dict(checkpoint["scheduler"])   # trainer.load_checkpoint's order
             optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.step_update(epoch * UPDATES_PER_EPOCH)     # trainer.set_num_updates
             scheduler.step(epoch + 1)                            # trainer.load_checkpoint
             scheduler.step(epoch + 1)                            # checkpoint_utils.load_checkpoint
         else:
@@ -103,6 +118,28 @@ def test_a_continued_run_takes_the_same_rates_and_stops_at_the_same_epoch():
     for stop_after in range(1, len(SCORES)):
         _reset_fairseq_globals()
         assert _run(ResumableReduceLROnPlateau, stop_after) == uninterrupted, stop_after
+
+
+def test_a_continued_run_validated_every_second_epoch_takes_the_same_rates():
+    """With ``--validate-interval 2`` the checkpoint of an epoch without validation is not behind the plateau:
+    nothing is replayed there (a replay would count an epoch without a gain that never was)."""
+    uninterrupted = _run(ResumableReduceLROnPlateau, validate_interval=2)
+    assert len(set(uninterrupted[0])) >= 2, uninterrupted  # the rate did move
+    for stop_after in range(1, len(SCORES)):
+        _reset_fairseq_globals()
+        assert _run(ResumableReduceLROnPlateau, stop_after, validate_interval=2) == uninterrupted, stop_after
+
+
+def test_validated_at_end_of_follows_fairseq_trains_rule():
+    cfg = ResumableReduceLROnPlateauConfig(validate_interval=3, validate_interval_updates=0, validate_after_updates=50,
+                                           disable_validation=False)
+    assert [e for e in range(1, 10) if validated_at_end_of(e, 10 * e, cfg)] == [6, 9]
+    cfg.validate_interval_updates = 20  # an epoch ending at a multiple of it validates too
+    assert [e for e in range(1, 10) if validated_at_end_of(e, 10 * e, cfg)] == [6, 8, 9]
+    cfg.disable_validation = True
+    assert not any(validated_at_end_of(e, 10 * e, cfg) for e in range(1, 10))
+    # without the flags (the scheduler built from the base config): every epoch
+    assert validated_at_end_of(1, 0, ReduceLROnPlateauLRScheduleConfig())
 
 
 def test_fairseqs_own_plateau_schedule_drifts_when_continued():

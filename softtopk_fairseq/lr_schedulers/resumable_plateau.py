@@ -18,11 +18,16 @@ This scheduler saves the first and third, and replays the second when the run co
 scheduler's reach, but its effect on the plateau is: it is a gain exactly when it raised fairseq's best score
 (``checkpoint_utils.save_checkpoint.best``, saved in the checkpoint) -- then the plateau steps with that best --
 and otherwise it is no better than a score already seen, which the plateau counts as an epoch without a gain
-whatever its value. Exact when validation runs once per epoch, as the plateau schedule assumes (with
-``--validate-interval-updates`` a mid-epoch score can raise the best instead).
+whatever its value. Nothing is replayed when that epoch was not validated (``--validate-interval``,
+``--validate-after-updates``, ``--disable-validation``: fairseq's rule, from the flags), as the plateau took no
+step there either. Exact when every score comes at an epoch's end (with ``--validate-interval-updates`` a
+mid-epoch score can raise the best instead).
 """
 import math
 import sys
+from dataclasses import dataclass
+
+from omegaconf import II
 
 from fairseq import checkpoint_utils
 from fairseq.optim.lr_scheduler import register_lr_scheduler
@@ -50,10 +55,32 @@ def _best_score():
     return getattr(checkpoint_utils.save_checkpoint, "best", None)
 
 
-@register_lr_scheduler("reduce_lr_on_plateau_resumable", dataclass=ReduceLROnPlateauLRScheduleConfig)
+@dataclass
+class ResumableReduceLROnPlateauConfig(ReduceLROnPlateauLRScheduleConfig):
+    # when fairseq-train validates at an epoch's end (read, not set, here)
+    validate_interval: int = II("dataset.validate_interval")
+    validate_interval_updates: int = II("dataset.validate_interval_updates")
+    validate_after_updates: int = II("dataset.validate_after_updates")
+    disable_validation: bool = II("dataset.disable_validation")
+
+
+def validated_at_end_of(epoch: int, num_updates: int, cfg) -> bool:
+    """Whether fairseq-train 0.12 validated at the end of ``epoch`` (``validate_and_save``'s rule; a run that
+    stopped there is not continued), from the flags in ``cfg`` -- every epoch where it does not have them."""
+    def flag(name, default):
+        value = getattr(cfg, name, default)
+        return default if isinstance(value, str) else value  # (an unresolved interpolation: not in fairseq-train)
+
+    every, updates = flag("validate_interval", 1), flag("validate_interval_updates", 0)
+    due = epoch % every == 0 or (updates > 0 and num_updates > 0 and num_updates % updates == 0)
+    return due and not flag("disable_validation", False) and num_updates >= flag("validate_after_updates", 0)
+
+
+@register_lr_scheduler("reduce_lr_on_plateau_resumable", dataclass=ResumableReduceLROnPlateauConfig)
 class ResumableReduceLROnPlateau(ReduceLROnPlateauLRSchedule):
     def __init__(self, cfg, optimizer):
         super().__init__(cfg, optimizer)
+        self.num_updates = 0        # as fairseq's trainer last set it (restored before the replay)
         self.scored_epoch = 0       # the last epoch whose score the plateau has stepped with
         self.best_when_scored = None  # fairseq's best score at that step
         self.pending = False        # set by load_state_dict: the checkpoint may be one plateau step behind
@@ -88,10 +115,15 @@ class ResumableReduceLROnPlateau(ReduceLROnPlateauLRSchedule):
         elif self.pending:
             self.pending = False
             # Saved at the end of epoch epoch - 1 (fairseq continues with the next one) before that epoch's step.
-            if self.scored_epoch < epoch - 1 and self.warmup_end and self.saved_best is not None:
+            if (self.scored_epoch < epoch - 1 and self.warmup_end and self.saved_best is not None
+                    and validated_at_end_of(epoch - 1, self.num_updates, self.cfg)):
                 raised = self.best_when_scored is None or self.saved_best != self.best_when_scored
                 worst = -math.inf if self.lr_scheduler.mode == "max" else math.inf
                 super().step(epoch - 1, self.saved_best if raised else worst)
                 self.scored_epoch = epoch - 1
                 self.best_when_scored = self.saved_best
         return super().step(epoch, val_loss)
+
+    def step_update(self, num_updates):
+        self.num_updates = num_updates
+        return super().step_update(num_updates)
