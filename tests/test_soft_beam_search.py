@@ -1,5 +1,6 @@
 """The differentiable beam search and the soft_beam_search criterion, in Python on tiny models."""
 import math
+import re
 import warnings
 
 import pytest
@@ -252,6 +253,36 @@ def test_a_target_that_is_not_token_rows_is_refused_naming_what_it_is_before_the
     emptied[[0, 2]] = d.pad()
     with pytest.raises(ValueError, match=rf"soft_beam_search: target rows \[0, 2\] are empty \(all pad={d.pad()}\)"):
         search(emptied)
+
+
+def test_a_target_the_search_would_misread_is_refused_naming_the_rows_and_the_fix():
+    """Left-padded, without its eos, or with a teacher-forcing input that does not start from eos (where the
+    beams start): the loss was finite and wrong."""
+    d = dictionary()
+    model, sample = build("lstm", d), batch(d)
+    ni, target = sample["net_input"], sample["target"]
+    lengths = target.ne(d.pad()).sum(1)
+    assert int(lengths.min()) < target.shape[1], "the batch needs a padded row"
+
+    def search(target, teacher_forcing=None):
+        return soft_beam_search(model, ni["src_tokens"], ni["src_lengths"], target, pad=d.pad(), eos=d.eos(), beam=2,
+                                teacher_forcing=teacher_forcing)
+
+    left_padded = torch.stack([row.roll(int(target.shape[1] - n)) for row, n in zip(target, lengths)])
+    padded_rows = (lengths < target.shape[1]).nonzero().flatten().tolist()
+    with pytest.raises(ValueError, match=rf"target rows {re.escape(str(padded_rows[:8]))} are not right-padded "
+                                         rf"\(pad={d.pad()} before a token\); fairseq's --left-pad-target must be "
+                                         "False"):
+        search(left_padded)
+    no_eos = target.clone()
+    no_eos[1, int(lengths[1]) - 1] = d.eos() + 1
+    with pytest.raises(ValueError, match=rf"^soft_beam_search: target rows \[1\] do not end in eos={d.eos()}"):
+        search(no_eos)
+    teacher_forcing = ni["prev_output_tokens"].clone()
+    search(target, teacher_forcing)  # (fairseq's own: accepted)
+    teacher_forcing[2, 0] = d.eos() + 1
+    with pytest.raises(ValueError, match=rf"teacher_forcing rows \[2\] do not start with eos={d.eos()}"):
+        search(target, teacher_forcing)
 
 
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
@@ -778,3 +809,19 @@ def test_rows_capped_at_max_iter_are_logged_and_warned_about_once():
     with metrics.aggregate() as agg:
         SoftBeamSearchCriterion.reduce_metrics([log, log])
     assert agg.get_smoothed_values()["soft_topk_capped"] == round(log["soft_topk_capped"] / log["soft_topk_steps"], 4)
+
+
+def test_the_logged_solver_error_is_the_mean_of_the_batches_largest_whatever_the_number_of_workers():
+    """fairseq sums the logs of all workers and --update-freq batches; soft_topk_err must not grow with them."""
+    from fairseq import metrics
+
+    d = dictionary(12)
+    model, sample, task = build("lstm", d, dtype=torch.float64), batch(d), TinyTask(d)
+    _, _, log = _criterion(task, 0.5, soft_beam_epsilon=0.05, soft_topk_max_iter=2)(model, sample)
+    assert log["soft_batches"] == 1 and log["soft_topk_err_max"] > 0
+    other = dict(log, soft_topk_err_max=3 * log["soft_topk_err_max"])
+    for logs, want in (([log], log["soft_topk_err_max"]), ([log] * 8, log["soft_topk_err_max"]),
+                       ([log, other], 2 * log["soft_topk_err_max"])):
+        with metrics.aggregate() as agg:
+            SoftBeamSearchCriterion.reduce_metrics(logs)
+        assert agg.get_smoothed_values()["soft_topk_err"] == pytest.approx(want, rel=1e-6, abs=1e-8), len(logs)

@@ -60,7 +60,7 @@ from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 TEACHER_FORCING_PASSES = ("auto", "search", "separate")
 SOFT_LOG_KEYS = ("soft_loss", "soft_ntokens", "soft_topk_iters", "soft_topk_steps", "soft_topk_err_max",
-                 "soft_topk_capped", "pruned_mass", "soft_sentence_steps")  # what a batch with L_SOFT logs
+                 "soft_batches", "soft_topk_capped", "pruned_mass", "soft_sentence_steps")  # a batch with L_SOFT
 CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap above its tolerance on some rows "
                   "(counted in the logs as soft_topk_capped); raise --soft-topk-max-iter or --soft-topk-tol")
 
@@ -226,7 +226,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
     (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
     base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
-    iterations and a bound on its largest marginal error), ``soft_topk_capped`` (rows per step it left at its
+    iterations and each batch's largest marginal error, averaged over the batches), ``soft_topk_capped`` (rows per step it left at its
     iteration cap unconverged; warned about once), ``pruned_mass`` and, with ``--soft-beam-cuda-graphs``,
     ``cuda_graph_captures`` (batch sizes captured)."""
 
@@ -344,7 +344,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
                 warnings.warn(CAPPED_WARNING, RuntimeWarning)  # one text: Python shows it once
             logging_output.update({
                 "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"],
-                "soft_topk_iters": iters, "soft_topk_steps": steps, "soft_topk_err_max": err_max,
+                "soft_topk_iters": iters, "soft_topk_steps": steps, "soft_topk_err_max": err_max, "soft_batches": 1,
                 "soft_topk_capped": int(capped), "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
             })
         logging_output["loss"] = loss.data
@@ -386,11 +386,12 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         if steps:
             iters = sum(log.get("soft_topk_iters", 0) for log in logging_outputs)
             metrics.log_scalar("soft_topk_iters", iters / steps, steps, round=2)
-            # Each batch logs its largest marginal error; summing across workers (logs must be summable) keeps it
-            # an upper bound for the update. The meter averages these bounds over the logged updates (weighted by
-            # steps): a typical update's bound, not the interval's largest.
-            metrics.log_scalar("soft_topk_err", sum(log.get("soft_topk_err_max", 0) for log in logging_outputs),
-                               steps, round=8)
+            # Each batch logs its largest marginal error. Logs are summed across workers and --update-freq (a max
+            # cannot be taken), so the meter is the mean of the batches' largest errors -- the same whatever the
+            # number of workers -- not the interval's largest.
+            batches = sum(log.get("soft_batches", 0) for log in logging_outputs)
+            metrics.log_scalar("soft_topk_err", sum(log.get("soft_topk_err_max", 0) for log in logging_outputs)
+                               / max(batches, 1), batches, round=8)
             # Rows the solver left at --soft-topk-max-iter above --soft-topk-tol, per step (mostly 0).
             metrics.log_scalar("soft_topk_capped", sum(log.get("soft_topk_capped", 0) for log in logging_outputs)
                                / steps, steps, round=4)

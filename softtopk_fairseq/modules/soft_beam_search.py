@@ -387,6 +387,33 @@ class _TeacherForcedRows(_BeamRows):
         return torch.cat(self.steps, 1)
 
 
+# What the search assumes of its target, each with how a fairseq user gets it wrong (one read back for all).
+_TARGET_RULES = (
+    "target rows {rows} are empty (all pad={pad}); each row needs at least its eos",
+    "target rows {rows} are not right-padded (pad={pad} before a token); fairseq's --left-pad-target must be False",
+    "target rows {rows} do not end in eos={eos}: the search scores each sentence up to and including its eos",
+    "teacher_forcing rows {rows} do not start with eos={eos}, where the beams start (as fairseq's "
+    "prev_output_tokens do)",
+)
+
+
+def _target_lengths(target: Tensor, pad: int, eos: int, teacher_forcing: Optional[Tensor]) -> Tensor:
+    """Each sentence's length with its eos, once ``target`` is checked: right-padded with ``pad``, each row
+    ending in ``eos`` (and ``teacher_forcing`` starting with it) -- else a wrong but finite L_SOFT."""
+    real = target.ne(pad)
+    lengths = real.sum(1)  # incl. eos
+    positions = torch.arange(target.shape[1], device=target.device)
+    last = target.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+    broken = [lengths < 1, real.ne(positions < lengths.unsqueeze(1)).any(1), last.ne(eos) & (lengths >= 1),
+              teacher_forcing[:, 0].ne(eos) if teacher_forcing is not None else lengths < 0]
+    broken = torch.stack(broken)
+    if bool(broken.any()):
+        problems = [rule.format(rows=rows.nonzero().flatten().tolist()[:8], pad=pad, eos=eos)
+                    for rows, rule in zip(broken, _TARGET_RULES) if bool(rows.any())]
+        raise ValueError("soft_beam_search: " + "; ".join(problems))
+    return lengths
+
+
 def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Tensor, *, pad: int, eos: int,
                      beam: int = defaults.BEAM, relaxation: Union[str, Relaxation] = defaults.SEARCH_RELAXATION,
                      epsilon: float = defaults.EPSILON, scaling: str = defaults.SEARCH_SCALING,
@@ -459,14 +486,10 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         raise TypeError(f"soft_beam_search: target must hold integer token ids, got {target.dtype}")
     bsz, T = target.shape
     device = target.device
-    lengths = target.ne(pad).sum(1)  # incl. eos
-    if bool((lengths < 1).any()):
-        empty = (lengths < 1).nonzero().flatten().tolist()
-        raise ValueError(f"soft_beam_search: target rows {empty} are empty (all pad={pad}); each row needs at least "
-                         "its eos")
     if teacher_forcing is not None and teacher_forcing.shape != target.shape:
         raise ValueError(f"soft_beam_search: teacher_forcing of shape {tuple(teacher_forcing.shape)} must be "
                          f"shaped like target {tuple(target.shape)} (fairseq's prev_output_tokens)")
+    lengths = _target_lengths(target, pad, eos, teacher_forcing)
     # Decoder rows per sentence: its k beams, then its teacher-forced row if asked.
     rows = _BeamRows(k) if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k, embed)
 
