@@ -825,3 +825,20 @@ def test_the_logged_solver_error_is_the_mean_of_the_batches_largest_whatever_the
         with metrics.aggregate() as agg:
             SoftBeamSearchCriterion.reduce_metrics(logs)
         assert agg.get_smoothed_values()["soft_topk_err"] == pytest.approx(want, rel=1e-6, abs=1e-8), len(logs)
+
+
+def test_a_fully_sharded_model_is_refused_naming_the_backends_that_work():
+    """Under --ddp-backend fully_sharded the parameters exist whole only inside the wrapper's forward; the search
+    calls the encoder and decoder itself. (The wrapper is recognised by its class name: fairseq's, fairscale's
+    and torch's are all FullyShardedDataParallel.)"""
+    class FullyShardedDataParallel(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    d = dictionary(12)
+    model, sample, task = build("lstm", d), batch(d), TinyTask(d)
+    for rho in (0.5, 0.0):
+        with pytest.raises(NotImplementedError, match="--ddp-backend fully_sharded is not supported.*use "
+                                                      "--ddp-backend pytorch_ddp or legacy_ddp"):
+            _criterion(task, rho)(FullyShardedDataParallel(model), sample)

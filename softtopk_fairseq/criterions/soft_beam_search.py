@@ -50,7 +50,7 @@ from fairseq.dataclass import ChoiceEnum
 
 from softtopk_fairseq import defaults
 from softtopk_fairseq.criterions.wrapped_model import (encoder_then_decoder, layer_drop_drawn_once,
-                                                      run_inside_ddp_forward)
+                                                      refuse_fully_sharded, run_inside_ddp_forward)
 from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
 from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, USE, search_option_problems, soft_beam_search,
@@ -66,7 +66,8 @@ CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap 
 
 
 GRAPHS_UNUSED_WARNING = ("soft_beam_search: --soft-beam-cuda-graphs captured nothing, the search runs eagerly: it "
-                         "needs CUDA batches, no --amp, and a decoder whose embed_tokens is an nn.Embedding")
+                         "needs CUDA batches, no --amp, no torch.use_deterministic_algorithms, and a decoder whose "
+                         "embed_tokens is an nn.Embedding")
 
 
 @dataclass
@@ -128,8 +129,8 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                          "a few kernel launches per step instead of dozens, for a GPU, where a soft "
                                          "beam-search update is bound by launching them. Needs "
                                          "--soft-beam-relaxation soft_topk; used on CUDA batches outside --amp. "
-                                         "Each new batch size is captured once (a synchronisation and two extra "
-                                         "runs) and keeps its buffers, a few times sentences x beam x vocabulary "
+                                         "Each new batch size is captured once (a synchronisation, two untimed "
+                                         "runs and two captures) and keeps its buffers, a few times sentences x beam x vocabulary "
                                          "floats, on the GPU; the "
                                          f"{defaults.CUDA_GRAPH_SIZES_KEPT} most recently used sizes are kept, "
                                          "one dropped is captured again when it returns"})
@@ -290,6 +291,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         """The model's passes for this batch: teacher forcing's output (the decoder's, or the search's
         :class:`TeacherForcedLogProbs`; None without L_tf) and the beam search's (None without L_SOFT), at least
         one of them through DDP's ``forward`` (module docstring)."""
+        if use_soft:
+            refuse_fully_sharded(model)
         net_input = sample["net_input"]
 
         def search(m, encoder_out=None, teacher_forcing=None):

@@ -13,14 +13,30 @@ from fairseq.models.transformer import TransformerModelBase
 from fairseq.modules import LayerDropModuleList
 
 
+def _wrappers(model):
+    """``model`` and the modules it wraps (``.module``), outermost first."""
+    seen = model
+    while isinstance(seen, torch.nn.Module):
+        yield seen
+        seen = getattr(seen, "module", None)
+
+
+def refuse_fully_sharded(model) -> None:
+    """Raise for a fully sharded model (fairseq's ``--ddp-backend fully_sharded``, fairscale's or torch's
+    wrapper): its parameters exist whole only inside the wrapper's ``forward``, and the search calls the encoder and
+    the decoder step by step."""
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in _wrappers(model)):
+        raise NotImplementedError(
+            "soft_beam_search: --ddp-backend fully_sharded is not supported: the search calls the encoder and the "
+            "decoder step by step, outside the sharded model's forward; use --ddp-backend pytorch_ddp or legacy_ddp")
+
+
 def ddp_wrapper(model):
     """The torch DistributedDataParallel wrapping ``model`` (fairseq: ``ModuleProxyWrapper(DDP(model))``), or
     None."""
-    seen = model
-    while seen is not None:
+    for seen in _wrappers(model):
         if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
             return seen
-        seen = getattr(seen, "module", None) if isinstance(seen, torch.nn.Module) else None
     return None
 
 
