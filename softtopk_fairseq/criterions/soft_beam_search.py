@@ -130,8 +130,8 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                                          "beam-search update is bound by launching them. Needs "
                                          "--soft-beam-relaxation soft_topk; used on CUDA batches outside --amp. "
                                          "Each new batch size is captured once (a synchronisation, two untimed "
-                                         "runs and two captures) and keeps its buffers, a few times sentences x beam x vocabulary "
-                                         "floats, on the GPU; the "
+                                         "runs and two captures) and keeps its buffers, a few times sentences x "
+                                         "beam x vocabulary floats, on the GPU; the "
                                          f"{defaults.CUDA_GRAPH_SIZES_KEPT} most recently used sizes are kept, "
                                          "one dropped is captured again when it returns"})
     # The flags of version 0.1, kept as aliases (upgrade_config).
@@ -227,9 +227,9 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
     (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
     base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
-    iterations and each batch's largest marginal error, averaged over the batches), ``soft_topk_capped`` (rows per step it left at its
-    iteration cap unconverged; warned about once), ``pruned_mass`` and, with ``--soft-beam-cuda-graphs``,
-    ``cuda_graph_captures`` (batch sizes captured)."""
+    iterations and each batch's largest marginal error, averaged over the batches), ``soft_topk_capped`` (rows per
+    step it left at its iteration cap unconverged; warned about once), ``pruned_mass`` and, with
+    ``--soft-beam-cuda-graphs``, ``cuda_graph_captures`` (batch sizes captured)."""
 
     def __init__(self, task, cfg: SoftBeamSearchConfig):
         """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a

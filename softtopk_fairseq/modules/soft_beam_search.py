@@ -405,7 +405,7 @@ def _target_lengths(target: Tensor, pad: int, eos: int, teacher_forcing: Optiona
     positions = torch.arange(target.shape[1], device=target.device)
     last = target.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
     broken = [lengths < 1, real.ne(positions < lengths.unsqueeze(1)).any(1), last.ne(eos) & (lengths >= 1),
-              teacher_forcing[:, 0].ne(eos) if teacher_forcing is not None else lengths < 0]
+              teacher_forcing[:, 0].ne(eos) if teacher_forcing is not None else torch.zeros_like(real[:, 0])]
     broken = torch.stack(broken)
     if bool(broken.any()):
         problems = [rule.format(rows=rows.nonzero().flatten().tolist()[:8], pad=pad, eos=eos)
