@@ -1,6 +1,7 @@
 """SOFT top-k operator: definition, solver agreement, backward, masking, errors, dtypes."""
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -276,12 +277,20 @@ def test_module_wrapper():
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "broadcast"),
     (dict(scaling="batch"), ValueError, "scaling"),
     (dict(method="lbfgs"), ValueError, "method"),
-    (dict(tol=-1e-6), ValueError, r"tol must be a finite number >= 0 \(0: exactly max_iter steps\), got -1e-06"),
+    (dict(tol=-1e-6), ValueError, r"tol must be a finite number >= 0 \(0: up to max_iter steps, Newton stopping "
+                                  r"earlier at its rounding floor\), got -1e-06"),
     (dict(tol=float("nan")), ValueError, "tol must be"),
     (dict(max_iter=-1), ValueError, "max_iter must be an int >= 0, got -1"),
     (dict(max_iter=2.5), ValueError, "max_iter must be an int"),
     (dict(dim=2), ValueError, r"dim=2 is out of range for scores with 2 dimension\(s\) \(valid: -2..1\)"),
     (dict(dim=-3), ValueError, "dim=-3 is out of range"),
+    (dict(dim=np.int64(0)), TypeError, r"dim must be an int, got np.int64\(0\) \(a int64: pass int\(dim\)\)"),
+    (dict(epsilon=10**400), ValueError, r"epsilon=1000.* is outside float32's range"),  # (no OverflowError)
+    # any other value would be read as true or false without a word: largest=None selected the smallest
+    (dict(largest=None), TypeError, "soft_topk: largest must be True or False, got None"),
+    (dict(sorted="no"), TypeError, "soft_topk: sorted must be True or False, got 'no'"),
+    (dict(check_errors=1), TypeError, "soft_topk: check_errors must be True or False, got 1"),
+    (dict(return_info=None), TypeError, "soft_topk: return_info must be True or False, got None"),
 ])
 def test_clear_errors(bad, exc, match):
     kwargs = dict(scores=torch.tensor([[1.0, 2.0, 3.0]]), k=2)
@@ -353,6 +362,33 @@ def test_the_public_temperature_helpers_check_their_arguments():
                                          r"scores without their last dimension, \(3,\), got \(1,\)"):
         divide_by_temperature(x, torch.ones(1))
     assert torch.equal(divide_by_temperature(x, torch.full((3,), 2.0)), x / 2)
+    # a zero temperature gave +-finfo.max, a negative one flipped the order; a NaN one (a bad row's) is handed on
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"divide_by_temperature: temperatures must be > 0, got {bad}"):
+            divide_by_temperature(x, torch.tensor([1.0, bad, 2.0]))
+    assert bool(divide_by_temperature(x, torch.tensor([1.0, torch.nan, 2.0]))[1].isnan().all())
+    with pytest.raises(TypeError, match="divide_by_temperature: scores and temperature must be floating point, got "
+                                        "torch.int64 and torch.float32"):
+        divide_by_temperature(torch.ones(3, 6, dtype=torch.long), torch.ones(3))
+    with pytest.raises(ValueError, match=r"divide_by_temperature: valid must be a bool tensor shaped like the scores, "
+                                         r"\(3, 6\), got torch.float32 \(3, 6\)"):
+        divide_by_temperature(x, torch.ones(3), torch.ones(3, 6))
+    with pytest.raises(TypeError, match="effective_epsilon: largest must be True or False, got None"):
+        effective_epsilon(x, 2, largest=None)
+    with pytest.raises(ValueError, match="SoftTopK: sorted must be True or False, got 'yes'"):
+        SoftTopK(2, sorted="yes")
+
+
+@pytest.mark.parametrize("scaling, scale, epsilon", [("none", 1.0, 1e-8), ("paper", 300.0, 0.1)])
+def test_effective_epsilon_of_half_scores_is_the_float32_temperature_soft_topk_uses(scaling, scale, epsilon):
+    """float16/bfloat16 scores are computed in float32: their temperature too (in float16, 1e-8 was 0 and the paper
+    temperature of scores in the hundreds inf)."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.1, -0.2]]) * scale
+    for dtype in (torch.float16, torch.bfloat16):
+        got = effective_epsilon(x.to(dtype), 2, epsilon=epsilon, scaling=scaling)
+        used = soft_topk(x.to(dtype), 2, epsilon=epsilon, scaling=scaling, return_info=True)[1].temperature
+        assert got.dtype == torch.float32 and bool(torch.isfinite(got).all()) and bool((got > 0).all())
+        torch.testing.assert_close(got, used)
 
 
 @pytest.mark.parametrize("largest", [True, False])

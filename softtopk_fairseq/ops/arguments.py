@@ -27,7 +27,7 @@ def temperature_problems(name: str, value, dtype: torch.dtype = torch.float32) -
         kind = type(value).__qualname__ if type(value).__module__ == "builtins" else \
             f"{type(value).__module__}.{type(value).__qualname__}"
         return [f"{name} must be a Python float, got {value!r} (a {kind}: pass float(...))"]
-    if not (math.isfinite(value) and value > 0):
+    if not ((not isinstance(value, float) or math.isfinite(value)) and value > 0):  # (an int beyond floats: the range)
         return [f"{name} must be a finite number > 0, got {value!r}"]
     info = torch.finfo(dtype)
     if not info.tiny <= value <= info.max:
@@ -41,7 +41,8 @@ def solver_option_problems(tol, max_iter, tol_name: str = "tol", max_iter_name: 
     naming the option as given."""
     problems = []
     if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf):
-        problems.append(f"{tol_name} must be a finite number >= 0 (0: exactly {max_iter_name} steps), got {tol!r}")
+        problems.append(f"{tol_name} must be a finite number >= 0 (0: up to {max_iter_name} steps, Newton stopping "
+                        f"earlier at its rounding floor), got {tol!r}")
     if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0):
         problems.append(f"{max_iter_name} must be an int >= 0, got {max_iter!r}")
     return problems
@@ -55,6 +56,20 @@ def count_problems(name: str, value, least: int = 1) -> List[str]:
     return []
 
 
+def flag_problems(**flags) -> List[str]:
+    """What is wrong with true/false options such as ``sorted`` and ``largest``, named by their keywords (empty when
+    nothing is): each must be a bool, as ``torch.topk`` wants -- any other value would be read one way without a
+    word (``largest=None`` as False: the smallest selected)."""
+    return [f"{name} must be True or False, got {value!r}" for name, value in flags.items()
+            if not isinstance(value, bool)]
+
+
+def check_flags(op: str, **flags) -> None:
+    """Raise TypeError for :func:`flag_problems`."""
+    for problem in flag_problems(**flags):
+        raise TypeError(f"{op}: {problem}")
+
+
 def check_scores(op: str, scores, dim) -> None:
     """Raise TypeError / ValueError unless ``scores`` is a floating-point tensor with at least one dimension and
     ``dim`` one of its dimensions."""
@@ -64,7 +79,9 @@ def check_scores(op: str, scores, dim) -> None:
         raise TypeError(f"{op}: scores must be a floating-point tensor, got {scores.dtype}")
     if scores.dim() == 0:
         raise ValueError(f"{op}: scores must have at least one dimension")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{op}: dim must be an int, got {dim!r} (a {type(dim).__name__}: pass int(dim))")
+    if not -scores.dim() <= dim < scores.dim():
         raise ValueError(f"{op}: dim={dim!r} is out of range for scores with {scores.dim()} dimension(s) "
                          f"(valid: {-scores.dim()}..{scores.dim() - 1})")
 

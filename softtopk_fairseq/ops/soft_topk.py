@@ -44,8 +44,8 @@ from torch import Tensor, nn
 
 from softtopk_fairseq import defaults
 from softtopk_fairseq.ops import backends, cpu_kernels, implicit_backward
-from softtopk_fairseq.ops.arguments import (check_selection, count_problems, mask_along_last, solver_option_problems,
-                                            temperature_problems)
+from softtopk_fairseq.ops.arguments import (check_flags, check_selection, compute_dtype, count_problems, flag_problems,
+                                            mask_along_last, solver_option_problems, temperature_problems)
 from softtopk_fairseq.ops.backends import SolveOptions
 from softtopk_fairseq.ops.kernel_interface import CAPPED, REFUSED
 
@@ -63,7 +63,7 @@ class SolverInfo(NamedTuple):
     converged: Tensor  # error <= tol
     temperature: Tensor  # the temperature the row was solved at, in score units (effective_epsilon; detached)
     # stopped at max_iter unconverged: what check_errors=True warns about (never with tol=0, which asks for
-    # exactly max_iter iterations)
+    # every iteration up to max_iter)
     capped: Tensor
 
 
@@ -95,18 +95,18 @@ def _solve(x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions, b
 def _gradients(grad_out: Tensor, out: Tensor, x: Tensor, mask: Optional[Tensor], eps: Tensor, opts: SolveOptions,
                backend: str, eps_grad: bool, eager: bool = True) -> Tuple[Tensor, Tensor]:
     """dL/dx and dL/deps by the backend that runs the call; in eager mode, not differentiable again unless by
-    tensor operations (:func:`_first_order_only`; under torch.compile, AOTAutograd refuses double backward
+    tensor operations (:func:`first_order_only`; under torch.compile, AOTAutograd refuses double backward
     itself)."""
     def call(b: backends.Backend):
         grad_x, grad_eps = b.gradients(grad_out, out, x, mask, eps, opts, eps_grad)
         if b.differentiable_backward or not eager:
             return grad_x, grad_eps
-        return _first_order_only(_kernel_backward(b), out, grad_x, grad_eps)
+        return first_order_only(_kernel_backward(b), out, grad_x, grad_eps)
 
     return _with_fallback(backend, backends.select(x, "newton", backend), call)
 
 
-def _first_order_only(message: str, out: Tensor, *grads: Tensor) -> Tuple[Tensor, ...]:
+def first_order_only(message: str, out: Tensor, *grads: Tensor) -> Tuple[Tensor, ...]:
     """Gradients ``grads`` of the op's output ``out`` that are not differentiable again, as they are -- or, while a
     graph of the backward is being built (``create_graph=True``: a second derivative may follow), aliases whose own
     backward raises ``message``, tied to the scores' graph through ``out``: a second derivative through them would
@@ -203,7 +203,7 @@ class _SoftTopKEager(torch.autograd.Function):
         paper = at is not None
         grad_x, grad_eps = _gradients(grad_out.contiguous(), out, x, mask, eps, ctx.opts, ctx.backend, paper)
         if paper:
-            grad_x, = _first_order_only(_paper_backward("soft_topk"), out,
+            grad_x, = first_order_only(_paper_backward("soft_topk"), out,
                                         _add_paper_temperature_grad(grad_x, grad_eps, at, slope))
         return grad_x, None, None, None, None, None
 
@@ -230,7 +230,7 @@ class _Fused(torch.autograd.Function):
         out, x, eps, at, slope = ctx.saved_tensors
         grad = ctx.impl.thin_backward(out, grad_out.contiguous(), x, ctx.k, ctx.sorted, ctx.epsilon, eps, at, slope)
         message = _paper_backward("soft_topk") if at is not None else _kernel_backward(ctx.impl)
-        return _first_order_only(message, out, grad)[0], None, None, None, None, None, None, None, None
+        return first_order_only(message, out, grad)[0], None, None, None, None, None, None, None, None
 
 
 class _RefusedUnchecked(Exception):
@@ -314,7 +314,7 @@ def _constant_temperature(x: Tensor, epsilon: float) -> Tensor:
 
 def _warn_if_capped(info: Tensor, tol: float, max_iter: int) -> None:
     """Warn when some row stopped at ``max_iter`` above ``tol`` (one synchronisation on a device: the count of
-    iterations read back). tol=0 asks for exactly max_iter iterations: nothing to warn. Rows may also stop early
+    iterations read back). tol=0 asks for every iteration up to max_iter: nothing to warn. Rows may also stop early
     at their rounding floor (float32 scores far from 0 relative to epsilon carry only ~1e-7 * |x| / epsilon of
     information); that is reported in the info, not warned about. (The row-wise test only when some row reached
     max_iter.)"""
@@ -368,7 +368,7 @@ class _PaperTemperature(torch.autograd.Function):
     def backward(ctx, grad_eps):
         at, slope, eps = ctx.saved_tensors
         grad_x = _add_paper_temperature_grad(grad_eps.new_zeros(ctx.shape), grad_eps, at, slope)
-        return _first_order_only(_paper_backward("effective_epsilon"), eps, grad_x)[0], None, None, None, None
+        return first_order_only(_paper_backward("effective_epsilon"), eps, grad_x)[0], None, None, None, None
 
 
 def _row_temperature(x: Tensor, mask: Optional[Tensor], k: int, epsilon: float, sorted: bool, scaling: str,
@@ -388,17 +388,19 @@ def effective_epsilon(scores: Tensor, k: int, *, dim: int = -1, epsilon: float =
                       mask: Optional[Tensor] = None) -> Tensor:
     """The temperature, in score units, that :func:`soft_topk` uses for each row (shape of ``scores``
     without ``dim``): ``epsilon`` itself, or with ``scaling="paper"`` ``epsilon * max_cost / 2`` of the row
-    (over its valid entries: not ``-inf`` -- ``+inf`` with ``largest=False`` -- and not masked).
-    Differentiable in ``scores`` (``detach`` it for bounds); ``softmax_k_times`` uses it for its temperature
+    (over its valid entries: not ``-inf`` -- ``+inf`` with ``largest=False`` -- and not masked), in the type the
+    operator computes in (float32 for float16/bfloat16 scores). With ``scaling="paper"`` differentiable in ``scores``
+    (``detach`` it for bounds; a constant otherwise); ``softmax_k_times`` uses it for its temperature
     and callers that reason about the solution (e.g. bounds on pruned candidates) need it. Its arguments are
     checked as :func:`soft_topk` checks them; a row with a NaN, or an infinity on the selected side that the mask
     keeps (what :func:`soft_topk` refuses with ``ops.BadScoresError``), gets a NaN temperature, without an error or
     a read back: a relaxation that divides by it hands that row's NaN on. (Scores too large for the paper scaling
     get its limit, an infinite temperature.)"""
     check_selection("effective_epsilon", scores, k, dim, "epsilon", epsilon, mask)
+    check_flags("effective_epsilon", sorted=sorted, largest=largest)
     if scaling not in SCALINGS:
         raise ValueError(f"effective_epsilon: scaling must be one of {SCALINGS}, got {scaling!r}")
-    x = scores.movedim(dim, -1)
+    x = scores.to(compute_dtype(scores.dtype)).movedim(dim, -1)
     if not largest:
         x = -x
     rows = x.reshape(-1, x.shape[-1])
@@ -446,8 +448,20 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
         shape = tuple(temperature.shape) if isinstance(temperature, Tensor) else type(temperature).__name__
         raise ValueError(f"divide_by_temperature: temperature must be a tensor shaped like the scores without their "
                          f"last dimension, {tuple(scores.shape[:-1])}, got {shape}")
+    if not (scores.is_floating_point() and temperature.is_floating_point()):
+        raise TypeError(f"divide_by_temperature: scores and temperature must be floating point, got {scores.dtype} "
+                        f"and {temperature.dtype}")
     if valid is None:
         valid = backends.valid_entries(scores, None)
+    elif not (isinstance(valid, Tensor) and valid.dtype == torch.bool and valid.shape == scores.shape):
+        what = f"{valid.dtype} {tuple(valid.shape)}" if isinstance(valid, Tensor) else type(valid).__name__
+        raise ValueError(f"divide_by_temperature: valid must be a bool tensor shaped like the scores, "
+                         f"{tuple(scores.shape)}, got {what}")
+    # (a NaN temperature -- effective_epsilon's for a bad row -- passes: the row's NaN is handed on. Not checked
+    # while compiling, where reading the check back would break the graph.)
+    if not torch.compiler.is_compiling() and bool((temperature <= 0).any()):
+        bad = temperature[temperature <= 0][0].item()
+        raise ValueError(f"divide_by_temperature: temperatures must be > 0, got {bad} (a row's effective_epsilon is)")
     return _DivideByTemperature.apply(scores, temperature, valid)
 
 
@@ -494,17 +508,18 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
             NaN instead (as a NaN in the scores would make them in a PyTorch operation), and a capped row is only
             reported in the info (``return_info``: iterations ``max_iter``, not converged). For callers that run
             many calls per step on a GPU and look at the result once (e.g. the soft beam search's loss).
-        return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged, temperature)
-            per row.
+        return_info: also return a :class:`SolverInfo` (iterations, marginal error, converged, temperature,
+            capped) per row.
 
     Gradients use the closed-form implicit backward (App. H): O(n k) time and memory, no iterates kept.
     """
     impl = (_thin_route(scores, k, dim, epsilon, sorted, scaling, backend)
-            if mask is None and largest and not return_info and method == "newton" and tol is None
-            and max_iter is None and backend in backends.NAMES else None)
+            if mask is None and largest is True and return_info is False and type(sorted) is bool
+            and type(check_errors) is bool and method == "newton" and tol is None and max_iter is None
+            and backend in backends.NAMES else None)
     if impl is not None:  # the most common calls, as thin as the hard top-k's: one launch each way
         try:
-            out, bits, info, _ = _fused(impl, scores, k, bool(sorted), float(epsilon), scaling == "paper",
+            out, bits, info, _ = _fused(impl, scores, k, sorted, float(epsilon), scaling == "paper",
                                         defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"], check_errors)
             if check_errors and bits & CAPPED:
                 _warn_if_capped(info, defaults.TOL_FLOAT32, defaults.MAX_ITER["newton"])
@@ -515,11 +530,11 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
             if backends.resolve(backend) != "auto":
                 raise
             backends.fall_back(impl, str(e))
+    check_flags("soft_topk", sorted=sorted, largest=largest, check_errors=check_errors, return_info=return_info)
     _validate(scores, k, epsilon, scaling, method, backend, mask, dim, tol, max_iter)
     dim = dim % scores.dim()
-    in_dtype = scores.dtype
-    compute_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
-    x = scores if in_dtype == compute_dtype else scores.to(compute_dtype)
+    in_dtype, dtype = scores.dtype, compute_dtype(scores.dtype)
+    x = scores if in_dtype == dtype else scores.to(dtype)
     if dim != scores.dim() - 1:
         x = x.movedim(dim, -1)
     batch_shape, n = x.shape[:-1], x.shape[-1]
@@ -529,7 +544,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = default
     row_mask = _row_mask(mask, scores.shape, dim)
     backend = backends.resolve(backend)
     if tol is None:
-        tol = DEFAULT_TOL[compute_dtype]
+        tol = DEFAULT_TOL[dtype]
     if max_iter is None:
         max_iter = defaults.MAX_ITER[method]
     compiling = torch.compiler.is_compiling()
@@ -577,7 +592,8 @@ class SoftTopK(nn.Module):
                  max_iter: Optional[int] = None, method: str = defaults.SOLVER_METHOD, backend: str = "auto"):
         super().__init__()
         problems = (count_problems("k", k) + temperature_problems("epsilon", epsilon, torch.float64)
-                    + _option_problems(scaling, method, backend, tol, max_iter))
+                    + flag_problems(sorted=sorted, largest=largest) + _option_problems(scaling, method, backend, tol,
+                                                                                        max_iter))
         if problems:
             raise ValueError("SoftTopK: " + "; ".join(problems))
         self.k, self.epsilon, self.dim, self.sorted, self.largest = k, epsilon, dim, sorted, largest
