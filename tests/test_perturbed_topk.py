@@ -96,6 +96,31 @@ def test_masks_and_short_rows_get_zero_and_zero_gradient():
     assert bool((xi.grad[1] == 0).all()) and bool(torch.isfinite(xi.grad).all())
 
 
+@pytest.mark.parametrize("control_variate", [True, False])
+def test_a_sorted_row_with_one_valid_entry_is_constant_and_gets_zero_gradient(control_variate):
+    """Its one entry has rank 0 under any noise: the Monte-Carlo estimate was not 0 there (the noise's mean)."""
+    x = torch.tensor([[0.3, -torch.inf, -torch.inf], [0.3, 0.1, -torch.inf]], requires_grad=True)
+    out = perturbed_topk(x, 2, sorted=True, sigma=0.5, control_variate=control_variate, generator=_gen())
+    torch.testing.assert_close(out[0], torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]))
+    (out * torch.randn(2, 3, 2, generator=_gen(3))).sum().backward()
+    assert bool((x.grad[0] == 0).all()) and bool((x.grad[1, :2] != 0).all())
+
+
+@pytest.mark.parametrize("control_variate", [True, False])
+def test_second_derivatives_are_refused_not_estimated_wrong(control_variate):
+    """The backward's Monte-Carlo estimate is not differentiable again: through the control variate a second
+    derivative came out as a small wrong number (tending to 0 with the samples, not to the true -2.7 here); without
+    it, as autograd's generic error."""
+    x = torch.tensor([[0.3, 0.1]], dtype=torch.float64, requires_grad=True)
+    out = perturbed_topk(x, 1, sigma=0.2, samples=64, control_variate=control_variate, generator=_gen())
+    g, = torch.autograd.grad(out[0, 0], x, create_graph=True)
+    first, = torch.autograd.grad(perturbed_topk(x, 1, sigma=0.2, samples=64, control_variate=control_variate,
+                                                generator=_gen())[0, 0], x)
+    torch.testing.assert_close(g.detach(), first)  # (the first derivative as without create_graph)
+    with pytest.raises(RuntimeError, match="perturbed_topk: no second derivatives"):
+        torch.autograd.grad(g[0, 0], x)
+
+
 def test_reproducible_under_a_generator_dim_smallest_and_half_dtypes():
     x = torch.randn(4, 7, 3, generator=_gen(8))
     a = perturbed_topk(x, 2, dim=1, sigma=0.3, samples=32, generator=_gen(1))
@@ -118,6 +143,8 @@ def test_reproducible_under_a_generator_dim_smallest_and_half_dtypes():
     (lambda: perturbed_topk(torch.randn(3), 1, samples=0), "samples"),
     (lambda: perturbed_topk(torch.arange(3), 1), "floating-point"),
     (lambda: perturbed_topk(torch.randn(3), 1, mask=torch.ones(3)), "mask"),
+    (lambda: perturbed_topk(torch.randn(3), 1, largest=0), "largest must be True or False, got 0"),
+    (lambda: perturbed_topk(torch.randn(3), 1, control_variate=None), "control_variate must be True or False"),
 ])
 def test_bad_input_is_a_clear_error(call, match):
     with pytest.raises((ValueError, TypeError), match=match):

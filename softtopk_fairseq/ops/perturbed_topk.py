@@ -30,9 +30,10 @@ to draw the same noise again -- O(1) memory instead of ``samples`` x ``n`` saved
 seeded generator. Masking and bad input follow ``soft_topk``: ``-inf`` scores (``+inf`` with
 ``largest=False``) and ``mask == False`` entries are excluded, get exactly 0 and zero gradient; rows with
 ``n_valid <= k`` get 1 on every valid entry (unsorted; gradient 0) or the perturbed sort of their valid
-entries (sorted); NaN or ``+inf`` scores (``ops.BadScoresError``), ``k`` outside ``1..n``, ``sigma <= 0`` and
-``samples < 1`` raise.
-float16/bfloat16 are computed in float32 and returned in their dtype.
+entries (sorted; gradient 0 where only one is valid); NaN or ``+inf`` scores (``ops.BadScoresError``), ``k``
+outside ``1..n``, ``sigma <= 0`` and ``samples < 1`` raise. float16/bfloat16 are computed in float32 and
+returned in their dtype. First derivatives only: differentiating the gradient (``create_graph=True``, then a
+backward through it) raises rather than differentiate the estimate's noise.
 """
 from typing import Optional
 
@@ -40,8 +41,9 @@ import torch
 from torch import Tensor
 
 from softtopk_fairseq import defaults
-from softtopk_fairseq.ops.arguments import (check_score_values, check_selection, compute_dtype, count_problems,
-                                            mask_along_last)
+from softtopk_fairseq.ops.arguments import (check_flags, check_score_values, check_selection, compute_dtype,
+                                            count_problems, mask_along_last)
+from softtopk_fairseq.ops.soft_topk import first_order_only
 
 
 def _hard_topk(z: Tensor, valid: Tensor, k: int, sorted: bool) -> Tensor:
@@ -85,8 +87,11 @@ class _PerturbedTopK(torch.autograd.Function):
             inner = inner - (out * grad_out).sum(dims).unsqueeze(0)
         grad = (inner.unsqueeze(-1) * z).mean(0) / sigma
         n_valid = valid.sum(-1, keepdim=True)
-        fixed = n_valid <= k if not sorted else n_valid == 0        # a constant output: exactly 0
+        fixed = n_valid <= (1 if sorted else k)                      # a constant output: exactly 0
         grad = torch.where(valid & ~fixed, grad, torch.zeros_like(grad))
+        grad, = first_order_only("perturbed_topk: no second derivatives (the backward is a Monte-Carlo estimate of "
+                                 "the Jacobian, not differentiable again); use soft_topk with backend='torch' and "
+                                 "scaling='none' for them", out, grad)
         return grad, None, None, None, None, None, None, None
 
 
@@ -102,6 +107,7 @@ def perturbed_topk(scores: Tensor, k: int, *, dim: int = -1, sigma: float = defa
     from each sample in the backward (lower variance, still unbiased).
     """
     check_selection("perturbed_topk", scores, k, dim, "sigma", sigma, mask)
+    check_flags("perturbed_topk", sorted=sorted, largest=largest, control_variate=control_variate)
     for problem in count_problems("samples", samples):
         raise ValueError(f"perturbed_topk: {problem}")
     if generator is not None and not isinstance(generator, torch.Generator):
