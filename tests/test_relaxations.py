@@ -34,6 +34,8 @@ def test_an_alias_warns_once_and_a_wrong_name_says_what_is_allowed(monkeypatch):
         relaxations.resolve("softmax_k_times", "attention", "mode")
     with pytest.raises(ValueError, match="got 'hard_topk'"):
         relaxations.make("hard_topk", "search", 3)
+    with pytest.raises(ValueError, match=r"relaxation: use must be one of \('search', 'attention'\), got 'atention'"):
+        relaxations.make("soft_topk", "atention", 2)  # (the name was blamed: "must be one of (), got 'soft_topk'")
 
 
 def test_an_old_name_computes_what_the_new_one_does(monkeypatch):

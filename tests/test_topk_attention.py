@@ -118,6 +118,22 @@ def test_a_row_with_a_nan_or_plus_inf_score_gets_nan_weights_in_every_mode_and_t
         torch.testing.assert_close(w[good], w_clean[good], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", [m for m in relaxations.names("attention") if m != "perturbed"])
+def test_compiled_a_row_with_a_nan_or_plus_inf_score_gets_nan_weights_too(mode):
+    """Under torch.compile(fullgraph=True) the operator's refusal could not reach the NaN fallback: the SOFT top-k
+    attention raised BadScoresError. (The perturbed mode draws its noise seed on the host: no full graph.)"""
+    torch.manual_seed(4)
+    scores = torch.randn(2, 3, 6)
+    scores[0, 0, 0] = torch.nan
+    scores[1, 2, 3] = torch.inf
+    eager = topk_attention_weights(scores, 2, mode=mode, epsilon=0.2)
+    torch.compiler.reset()
+    compiled = torch.compile(lambda s: topk_attention_weights(s, 2, mode=mode, epsilon=0.2), fullgraph=True,
+                             backend="aot_eager")(scores)
+    assert bool(compiled[0, 0].isnan().all()) and bool(compiled[1, 2].isnan().all())
+    torch.testing.assert_close(compiled, eager, equal_nan=True)
+
+
 def test_soft_weights_gradcheck():
     torch.manual_seed(3)
     scores = torch.randn(3, 7, dtype=torch.float64)
@@ -152,6 +168,34 @@ def test_multihead_attention_in_softmax_mode_equals_fairseq():
     topk.configure_topk(2, 0.1, "hard_topk", "same")
     _, w = topk(q, kv, kv, key_padding_mask=pad, static_kv=True)
     assert int((w[:, 0] > 0).sum(-1).max()) <= 2 * 2  # head-averaged: at most k keys per head
+
+
+def test_multihead_attention_takes_torchs_bool_masks_and_refuses_what_fairseqs_path_would_misread():
+    """The layer takes fairseq's own path (not PyTorch's fused attention), which adds attn_mask to the scores: a
+    bool mask (True = blocked, as PyTorch's attention and fairseq's fused path read it) raised blocked scores by 1
+    -- query 0 of a causal mask put most of its weight on the future. Now it masks them, as the stock layer does; a
+    per-head 3-D mask and a query of the wrong width are refused by name (they were torch shape errors)."""
+    torch.manual_seed(6)
+    stock = MultiheadAttention(8, 2, self_attention=True).eval()
+    topk = TopkMultiheadAttention.convert(copy.deepcopy(stock), k=2, epsilon=0.1, mode="softmax", inference="same")
+    x = torch.randn(5, 3, 8)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    additive = torch.zeros(5, 5).masked_fill(causal, -torch.inf)
+    want, want_w = stock(x, x, x, attn_mask=causal)
+    for mask in (causal, causal.to(torch.uint8), additive):
+        got, got_w = topk(x, x, x, attn_mask=mask)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_w, want_w)
+    topk.configure_topk(2, 0.1, "soft_topk", "same")
+    _, w = topk(x, x, x, attn_mask=causal)
+    assert float(w.detach()[:, 0, 1:].abs().max()) == 0.0  # nothing on the future
+    with pytest.raises(ValueError, match=r"TopkMultiheadAttention: attn_mask has shape \(6, 5, 5\); it must be "
+                                         r"\(tgt_len, src_len\) with tgt_len = 5"):
+        topk(x, x, x, attn_mask=causal.expand(6, 5, 5))
+    with pytest.raises(ValueError, match=r"TopkMultiheadAttention: the query's last dimension is 6, the layer's "
+                                         r"embed_dim is 8"):
+        topk(x[..., :6], x[..., :6], x[..., :6])
+    assert "k=2, mode=soft_topk, inference=same, epsilon=0.1" in repr(topk)  # (the printout fairseq-train logs)
 
 
 def test_lstm_attention_layer_in_softmax_mode_equals_fairseq_and_hard_selects_k():

@@ -61,9 +61,32 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
         layer.skip_embed_dim_check = True
         return layer.configure_topk(k, epsilon, mode, inference, samples)
 
+    def additive_mask(self, query: Tensor, key: Optional[Tensor], attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """``attn_mask`` as the additive float mask of shape (tgt_len, src_len) that fairseq's own path (the one
+        this layer takes) adds to the scores: a bool or uint8 mask -- ``True`` = blocked, as in
+        ``torch.nn.MultiheadAttention``, which fairseq's fused path hands it to -- becomes ``-inf`` there and 0
+        elsewhere (added as is, ``True`` would raise a score by 1). Refuses, naming the fix, a query whose width is
+        not the layer's (the check fairseq makes, which the flag bypassing the fused path also skips) and a mask
+        of another shape (a per-head 3-D one included: fairseq's path broadcasts only 2-D masks)."""
+        if query.size(-1) != self.embed_dim:
+            raise ValueError(f"TopkMultiheadAttention: the query's last dimension is {query.size(-1)}, the layer's "
+                             f"embed_dim is {self.embed_dim}; pass queries of shape (tgt_len, batch, "
+                             f"{self.embed_dim})")
+        if attn_mask is None:
+            return None
+        if attn_mask.dim() != 2 or attn_mask.size(0) != query.size(0):
+            raise ValueError(f"TopkMultiheadAttention: attn_mask has shape {tuple(attn_mask.shape)}; it must be "
+                             f"(tgt_len, src_len) with tgt_len = {query.size(0)}, one mask shared by the batch and "
+                             "the heads (mask padded keys with key_padding_mask)")
+        if attn_mask.dtype in (torch.bool, torch.uint8):
+            blocked = attn_mask.bool()
+            return torch.zeros(blocked.shape, dtype=query.dtype, device=query.device).masked_fill(blocked, -torch.inf)
+        return attn_mask
+
     def forward(self, query, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask=None,
                 incremental_state=None, need_weights: bool = True, static_kv: bool = False, attn_mask=None,
                 before_softmax: bool = False, need_head_weights: bool = False):
+        attn_mask = self.additive_mask(query, key, attn_mask)
         scores, v = super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                     incremental_state=incremental_state, need_weights=need_weights,
                                     static_kv=static_kv, attn_mask=attn_mask, before_softmax=True)

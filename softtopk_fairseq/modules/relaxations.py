@@ -204,7 +204,10 @@ def accepted_names(use: str) -> Tuple[str, ...]:
 
 def resolve(name: str, use: str, where: str = "relaxation") -> str:
     """The registry's name for ``name`` (an alias resolved, with a one-time ``FutureWarning``); ValueError, naming
-    ``where`` and the choices, when no relaxation of that name serves ``use``."""
+    ``where`` and the choices, when no relaxation of that name serves ``use`` (or ``use`` is not one of
+    :data:`USES`)."""
+    if use not in USES:
+        raise ValueError(f"{where}: use must be one of {USES}, got {use!r}")
     name = str(name)
     if name in ALIASES:
         if name not in _warned:
@@ -265,7 +268,10 @@ class OptimalTransport(Relaxation):
         return (rank_mass * rest_sum / (1 - rank_mass).clamp_min(tiny)).clamp(max=self.k)  # at most k anyway
 
     def indicator(self, scores, dim):
-        return soft_topk(scores, self.k, dim=dim, epsilon=self.epsilon)
+        # Compiled, the refusal would not reach attention_scores' fallback (an exception is no graph's output):
+        # the operator gives the refused rows NaN itself there, and the unconverged-row warning is not read back.
+        return soft_topk(scores, self.k, dim=dim, epsilon=self.epsilon,
+                         check_errors=not torch.compiler.is_compiling())
 
 
 @register

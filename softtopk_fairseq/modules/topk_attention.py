@@ -18,7 +18,9 @@ masked rows get all-zero weights (plain softmax would give NaN). A row holding a
 overflow of ``q.k``, say) gets NaN weights in every mode, as ``torch.softmax`` gives: the loss and gradients are
 then non-finite, which fairseq's trainer handles as it does for its own attention -- the batch is skipped and the
 loss scale lowered under ``--fp16`` / ``--amp``, a ``FloatingPointError`` with its NaN detector's report otherwise
--- where the operators' refusal (``ops.BadScoresError``) would end the run.
+-- where the operators' refusal (``ops.BadScoresError``) would end the run. The same holds compiled
+(``torch.compile(..., fullgraph=True)``) in every mode but ``"perturbed"``, whose noise seed is drawn on the host:
+it compiles with graph breaks only.
 """
 from typing import List, Mapping
 
@@ -100,7 +102,9 @@ def check_topk_options(k: int, epsilon: float, mode: str, inference: str,
 
 
 class TopkAttentionMixin:
-    """Mode switching shared by the top-k attention layers: one relaxation for training, one for eval mode."""
+    """Mode switching shared by the top-k attention layers: one relaxation for training, one for eval mode. The
+    options are set by :meth:`configure_topk` (the architectures call it from their flags), not kept in the state
+    dict: a layer loaded on its own keeps the options it was built with."""
 
     topk_k: int
     topk_epsilon: float
@@ -117,6 +121,13 @@ class TopkAttentionMixin:
         self.topk_k, self.topk_epsilon, self.topk_mode, self.topk_inference = k, epsilon, mode, inference
         self.topk_samples = samples
         return self
+
+    def extra_repr(self) -> str:
+        """The options, in the model printout fairseq-train logs."""
+        options = f"k={self.topk_k}, mode={self.topk_mode}, inference={self.topk_inference}"
+        options += f", epsilon={self.topk_epsilon}"
+        return options + (f", samples={self.topk_samples}" if "perturbed" in (self.topk_mode, self.topk_inference)
+                          else "")
 
     @property
     def active_topk_mode(self) -> str:
