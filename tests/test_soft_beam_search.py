@@ -272,7 +272,7 @@ def test_a_target_the_search_would_misread_is_refused_naming_the_rows_and_the_fi
     padded_rows = (lengths < target.shape[1]).nonzero().flatten().tolist()
     with pytest.raises(ValueError, match=rf"target rows {re.escape(str(padded_rows[:8]))} are not right-padded "
                                          rf"\(pad={d.pad()} before a token\); fairseq's --left-pad-target must be "
-                                         "False"):
+                                         "False$"):  # (only that: its rows do end in eos)
         search(left_padded)
     no_eos = target.clone()
     no_eos[1, int(lengths[1]) - 1] = d.eos() + 1
@@ -287,8 +287,8 @@ def test_a_target_the_search_would_misread_is_refused_naming_the_rows_and_the_fi
 
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
     with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
-                                         r"exactly --soft-topk-max-iter steps\), got -1.0; --soft-topk-max-iter must "
-                                         r"be an int >= 0, got -3"):
+                                         r"up to --soft-topk-max-iter steps, Newton stopping earlier at its rounding "
+                                         r"floor\), got -1.0; --soft-topk-max-iter must be an int >= 0, got -3"):
         SoftBeamSearchCriterion(TinyTask(dictionary()), SoftBeamSearchConfig(sentence_avg=False, soft_topk_tol=-1.0,
                                                                             soft_topk_max_iter=-3))
 

@@ -404,7 +404,8 @@ def _target_lengths(target: Tensor, pad: int, eos: int, teacher_forcing: Optiona
     lengths = real.sum(1)  # incl. eos
     positions = torch.arange(target.shape[1], device=target.device)
     last = target.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
-    broken = [lengths < 1, real.ne(positions < lengths.unsqueeze(1)).any(1), last.ne(eos) & (lengths >= 1),
+    misplaced = real.ne(positions < lengths.unsqueeze(1)).any(1)  # (its last token is then not at lengths - 1)
+    broken = [lengths < 1, misplaced, last.ne(eos) & (lengths >= 1) & ~misplaced,
               teacher_forcing[:, 0].ne(eos) if teacher_forcing is not None else torch.zeros_like(real[:, 0])]
     broken = torch.stack(broken)
     if bool(broken.any()):
