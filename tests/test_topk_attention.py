@@ -252,6 +252,25 @@ def test_a_float64_attention_takes_a_temperature_below_float32s_range():
         topk_attention_weights(scores.float(), 2, mode="soft_topk", epsilon=1e-39)
 
 
+@pytest.mark.parametrize("arch", ["rnnsearch", "rnnsearch_topk_attn"])
+def test_rnnsearch_attention_is_over_the_sources_own_positions(arch):
+    """fairseq's generator reads the decoder's attention against src_tokens (--print-alignment, --replace-unk):
+    the encoder runs on right-padded tokens, and the weights of a left-padded sentence were over those -- on its
+    padding columns, the last tokens' weights missing. Now a left-padded row's weights are the same sentence's
+    alone, shifted to its tokens, with zeros on its padding."""
+    d = dictionary()
+    model = build(arch, d, **({"topk_attn_k": 2} if "topk" in arch else {})).eval()
+    ni = batch(d)["net_input"]
+    src, pads = ni["src_tokens"], 2
+    assert bool(src[-1, :pads].eq(d.pad()).all()) and not bool(src[:-1].eq(d.pad()).any())
+    with torch.no_grad():
+        attn = model(**ni)[1]["attn"][0]                                     # (B, T, S)
+        alone = model(src[-1:, pads:], ni["src_lengths"][-1:], ni["prev_output_tokens"][-1:])[1]["attn"][0]
+    assert float(attn[-1, :, :pads].abs().max()) == 0.0
+    torch.testing.assert_close(attn[-1, :, pads:], alone[0])
+    torch.testing.assert_close(attn.sum(-1), torch.ones(attn.shape[:2], dtype=attn.dtype))
+
+
 def test_a_layer_refused_by_convert_is_left_as_it_was():
     """convert checks the options before it changes the layer: a refused conversion left a half-converted layer
     behind, whose next forward failed with an AttributeError."""

@@ -17,7 +17,6 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
-from fairseq import utils
 from fairseq.dataclass import FairseqDataclass
 from fairseq.models import (FairseqEncoder, FairseqEncoderDecoderModel, FairseqIncrementalDecoder,
                             register_model, register_model_architecture)
@@ -31,8 +30,9 @@ DEFAULT_MAX_POSITIONS = 1024
 
 class RNNSearchEncoder(FairseqEncoder):
     r"""Bidirectional GRU over the source embeddings: the annotations :math:`h_j = [\vec h_j; \overleftarrow h_j]`
-    (``annotations``, B x S x 2H), the padding mask and :math:`\overleftarrow h_1` (``backward_first``, the
-    decoder's initial state's input)."""
+    (``annotations``, B x S x 2H, right-padded), the padding mask and :math:`\overleftarrow h_1`
+    (``backward_first``, the decoder's initial state's input), and ``source_order`` (B x S): the annotation of
+    ``src_tokens``' position ``j`` (left-padded by default) is ``annotations[b, source_order[b, j]]``."""
 
     def __init__(self, dictionary, embed_dim, hidden_size, dropout):
         super().__init__(dictionary)
@@ -43,8 +43,11 @@ class RNNSearchEncoder(FairseqEncoder):
         self.output_dim = 2 * hidden_size
 
     def forward(self, src_tokens: Tensor, src_lengths: Tensor, **unused):
-        # fairseq left-pads sources by default; packing wants right padding.
-        tokens = utils.convert_padding_direction(src_tokens, self.padding_idx, left_to_right=True)
+        # fairseq left-pads sources by default; packing wants right padding: row b rolled left by its padding.
+        padding = src_tokens.eq(self.padding_idx)
+        positions = torch.arange(src_tokens.size(1), device=src_tokens.device).expand_as(src_tokens)
+        shift = padding.sum(1, keepdim=True) if bool(padding[:, 0].any()) else torch.zeros_like(positions[:, :1])
+        tokens = src_tokens.gather(1, (positions + shift) % src_tokens.size(1))
         x = F.dropout(self.embed_tokens(tokens), self.dropout, self.training)
         packed = nn.utils.rnn.pack_padded_sequence(x, src_lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, h_n = self.rnn(packed)
@@ -53,6 +56,7 @@ class RNNSearchEncoder(FairseqEncoder):
             "annotations": [F.dropout(out, self.dropout, self.training)],  # (B, S, 2H)
             "padding_mask": [tokens.eq(self.padding_idx)],                  # (B, S)
             "backward_first": [h_n[1]],                                     # (B, H): <-h_1
+            "source_order": [(positions - shift) % src_tokens.size(1)],     # (B, S)
         }
 
     def reorder_encoder_out(self, encoder_out, new_order):
@@ -106,7 +110,11 @@ class RNNSearchDecoder(FairseqIncrementalDecoder):
         if incremental_state is not None:
             self.set_incremental_state(incremental_state, "cached_state", {"state": state})
         features = F.dropout(torch.stack(readouts, 1), self.dropout, self.training)
-        return features, {"attn": [torch.stack(weights, 1)]}
+        # The weights over src_tokens' own positions, as fairseq's generator reads them (--print-alignment,
+        # --replace-unk): the annotations are right-padded, a left-padded source's tokens are not.
+        weights = torch.stack(weights, 1)
+        order = encoder_out["source_order"][0].unsqueeze(1).expand_as(weights)
+        return features, {"attn": [weights.gather(2, order)]}
 
     def _projected_keys(self, annotations: Tensor, incremental_state) -> Tensor:
         """``U h_j`` (B, S, A) for ``annotations``. In incremental decoding it is kept in the incremental state with
