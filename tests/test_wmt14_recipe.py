@@ -61,11 +61,18 @@ def test_prepare_builds_fairseq_data_and_keeps_the_raw_references(prepared):
 
 def test_prepare_refuses_a_missing_or_misaligned_input_in_one_line_and_keeps_the_earlier_data(prepared, tmp_path):
     """Under a worker pool a bad file once ended the pool's feeding thread and left prepare.py waiting for ever,
-    after it had deleted DEST/bin; --sources-only on an unprepared DEST was a traceback."""
+    after it had deleted DEST/bin; --sources-only on an unprepared DEST was a traceback. The earlier preparation
+    stays whole: a run stopped after it had started writing left new ref/tok/bpe files beside the old bin/ (a
+    stale BPE model then decoded the other data)."""
     _, prepared_dest, raw, _ = prepared
     dest = tmp_path / "data"  # (a copy: the module's other tests read the prepared one)
     shutil.copytree(prepared_dest, dest)
-    before = sorted(os.listdir(dest / "bin"))
+
+    def contents():
+        return {str(path.relative_to(dest)): path.read_bytes() for name in ("ref", "tok", "bpe", "bin")
+                for path in sorted((dest / name).rglob("*")) if path.is_file()}
+
+    before = contents()
     short = tmp_path / "short"
     short.with_suffix(".en").write_text("a b\nc d\n", encoding="utf-8")
     short.with_suffix(".fr").write_text("e f\n", encoding="utf-8")
@@ -76,7 +83,7 @@ def test_prepare_refuses_a_missing_or_misaligned_input_in_one_line_and_keeps_the
                                str(train), "--valid", raw["valid"], "--test", raw["test"], "--workers", "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
         assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1] == said, proc.stdout[-2000:]
-        assert sorted(os.listdir(dest / "bin")) == before
+        assert contents() == before
     with pytest.raises(SystemExit, match="has no valid.SRC-TGT.*: prepare it first"):
         prepare.prepared_languages(str(tmp_path / "unprepared"))
 
@@ -147,6 +154,35 @@ def test_prepare_rejects_mixed_or_missing_sources():
         prepare.parse_args(["--dest", "x", "--train", "a"])
     with pytest.raises(SystemExit):
         prepare.parse_args(["--dest", "x", "--download", "--train", "a", "--valid", "b", "--test", "c"])
+
+
+def test_prepare_refuses_bad_numbers_before_any_work(capsys):
+    """They failed hours later, inside subword-nmt or sentencepiece, with their tracebacks."""
+    local = ["--dest", "x", "--train", "a", "--valid", "b", "--test", "c"]
+    with pytest.raises(SystemExit):
+        prepare.parse_args(local + ["--bpe-size", "0", "--max-len", "0", "--max-ratio", "0.5", "--workers", "0",
+                                    "--max-lines", "-1"])
+    assert ("--max-lines must be >= 0, got -1; --bpe-size must be >= 1, got 0; --max-len must be >= 1, got 0; "
+            "--max-ratio must be >= 1, got 0.5; --workers must be >= 1, got 0") in capsys.readouterr().err
+    assert prepare.parse_args(local).bpe == "subword_nmt"
+
+
+def test_blind_sources_use_dests_bpe_and_translate_beside_the_test_set(prepared, tmp_path):
+    """--sources-only finds DEST's BPE (naming another is refused), and translate.sh writes a blind set's
+    hypotheses under its own name: they overwrote the test set's, leaving its score beside other hypotheses."""
+    root, dest, raw, _ = prepared
+    with pytest.raises(SystemExit, match=f"--bpe sentencepiece: {dest} was prepared with --bpe subword_nmt"):
+        prepare.prepare_sources_only(str(dest), [f"blind={raw['test']}.en"], "sentencepiece")
+    _run(sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", dest, "--sources-only",
+         f"blind={raw['test']}.en")
+    ckpt = tmp_path / "tf"
+    _run("bash", os.path.join(RECIPE, "train.sh"), dest, ckpt, *TINY_TRAIN, "--max-update", 1)
+    test_hyps = _run("bash", os.path.join(RECIPE, "translate.sh"), dest, ckpt / "checkpoint_last.pt",
+                     env_extra={"BEAM": "2"}).strip().splitlines()[-1]
+    blind_hyps = _run("bash", os.path.join(RECIPE, "translate.sh"), dest, ckpt / "checkpoint_last.pt",
+                      env_extra={"BEAM": "2", "BIN": str(dest / "sources" / "blind" / "bin")}).strip().splitlines()[-1]
+    assert test_hyps == str(ckpt / "test.beam2.fr") and blind_hyps == str(ckpt / "blind.test.beam2.fr")
+    assert text.read_lines(test_hyps) == text.read_lines(blind_hyps)  # (the same sources: the same translations)
 
 
 def test_recipe_trains_fine_tunes_and_evaluates(prepared):

@@ -25,12 +25,14 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
 
 The untouched references go to ``DEST/ref/{valid,test}.{en,TGT}``; ``evaluate.sh`` scores against them with
 detokenised sacrebleu. Large inputs are streamed in chunks over ``--workers`` processes. A missing input or sides of
-different lengths stop the run with a one-line error; an earlier preparation's ``DEST/bin`` is replaced only at the
-last step.
+different lengths stop the run with a one-line error. The run builds in ``DEST/.preparing`` and replaces
+``DEST/{ref,tok,bpe,bin}`` together only at its end: a run that stops leaves an earlier preparation whole (nothing of
+it mixed with the new one -- a stale BPE model would decode the new data wrongly).
 
 ``--sources-only NAME=FILE ...`` on a prepared DEST: English text with no reference (a blind test set), normalised
 and encoded as the training sources were, binarized with DEST's dictionaries into ``DEST/sources/NAME/bin``
-(subset ``test``, no target side), for ``translate.sh`` (``BIN=DEST/sources/NAME/bin``).
+(subset ``test``, no target side), for ``translate.sh`` (``BIN=DEST/sources/NAME/bin``). The BPE is DEST's own
+(``--bpe``, if given, must name it).
 """
 import argparse
 import functools
@@ -234,13 +236,22 @@ def prepared_languages(dest: str) -> Tuple[str, str]:
     raise SystemExit(f"{dest}/bin has no valid.SRC-TGT.*.idx: prepare it first")
 
 
-def prepare_sources_only(dest: str, named: List[str], bpe_method: str) -> None:
+def prepared_bpe(dest: str, asked: Optional[str]) -> text.JointBPE:
+    """The BPE model DEST was prepared with (``--bpe``, when given, must be it)."""
+    found = [m for m in text.BPE_METHODS if os.path.exists(text.JointBPE(m, os.path.join(dest, "bpe")).model_path)]
+    if len(found) != 1:
+        raise SystemExit(f"{dest}/bpe holds {'no BPE model' if not found else 'models of ' + ' and '.join(found)}: "
+                         "prepare DEST again")
+    if asked is not None and asked != found[0]:
+        raise SystemExit(f"--bpe {asked}: {dest} was prepared with --bpe {found[0]}")
+    return text.JointBPE(found[0], os.path.join(dest, "bpe"))
+
+
+def prepare_sources_only(dest: str, named: List[str], bpe_method: Optional[str]) -> None:
     """``--sources-only NAME=FILE``: source text without references, normalised and encoded as the training
     sources were, binarized with DEST's dictionaries into ``DEST/sources/NAME/bin`` (subset ``test``)."""
     src, tgt = prepared_languages(dest)
-    bpe = text.JointBPE(bpe_method, os.path.join(dest, "bpe"))
-    if not os.path.exists(bpe.model_path):
-        raise SystemExit(f"{bpe.model_path} not found: DEST was not prepared with --bpe {bpe_method}")
+    bpe = prepared_bpe(dest, bpe_method)
     for item in named:
         name, sep, path = item.partition("=")
         if not sep or not name or not os.path.isfile(path):
@@ -268,7 +279,8 @@ def parse_args(argv=None):
     p.add_argument("--valid", help="prefix of local raw validation text")
     p.add_argument("--test", help="prefix of local raw test text")
     p.add_argument("--max-lines", type=int, default=0, help="use only the first N training pairs (0: all)")
-    p.add_argument("--bpe", choices=text.BPE_METHODS, default="subword_nmt")
+    p.add_argument("--bpe", choices=text.BPE_METHODS,
+                   help="subword_nmt (default) or sentencepiece; with --sources-only, DEST's (found there)")
     p.add_argument("--bpe-size", type=int, default=40000,
                    help="merges (subword-nmt) or vocabulary size (sentencepiece); default 40000")
     p.add_argument("--max-len", type=int, default=250, help="longest training sentence kept, in tokens")
@@ -282,6 +294,12 @@ def parse_args(argv=None):
         if args.download or any(local):
             p.error("--sources-only works on a prepared --dest: give it alone")
         return args
+    least = {"--max-lines": (args.max_lines, 0), "--bpe-size": (args.bpe_size, 1), "--max-len": (args.max_len, 1),
+             "--max-ratio": (args.max_ratio, 1), "--workers": (args.workers, 1)}  # (checked before hours of work)
+    problems = [f"{flag} must be >= {low}, got {value}" for flag, (value, low) in least.items() if not value >= low]
+    if problems:
+        p.error("; ".join(problems))
+    args.bpe = args.bpe or "subword_nmt"
     if args.download == any(local) or (not args.download and not all(local)):
         p.error("give either --download or all of --train, --valid and --test")
     if args.download and args.tgt != "fr":
@@ -314,11 +332,14 @@ def main(argv=None) -> None:
 def prepare(args) -> None:
     start = time.time()
     langs = (SRC, args.tgt)
-    dirs = {name: os.path.join(args.dest, name) for name in ("orig", "ref", "tok", "bpe", "bin")}
     if not args.download:
         check_local_inputs(args, langs)
+    built = ("ref", "tok", "bpe", "bin")
+    staging = os.path.join(args.dest, ".preparing")
+    shutil.rmtree(staging, ignore_errors=True)  # (a stopped run's)
+    dirs = {"orig": os.path.join(args.dest, "orig"), **{name: os.path.join(staging, name) for name in built}}
     for name in ("ref", "tok", "bpe"):
-        os.makedirs(dirs[name], exist_ok=True)
+        os.makedirs(dirs[name])
     if args.download:
         download(dirs["orig"])
         prefixes = dict(zip(("train", "valid", "test"), collect_wmt14(dirs["orig"], os.path.join(dirs["orig"], "raw"))))
@@ -347,10 +368,13 @@ def prepare(args) -> None:
         if pool:
             pool.close()
             pool.join()
-    # (only now: a run refused above leaves an earlier preparation's data in place)
-    shutil.rmtree(dirs["bin"], ignore_errors=True)  # fairseq-preprocess refuses to overwrite
     run.binarize(dirs["bpe"], dirs["bin"], *langs, os.path.join(args.dest, "preprocess.log"),
                  workers=args.workers)
+    for name in built:  # (only now, all together: a run stopped above leaves an earlier preparation whole)
+        shutil.rmtree(os.path.join(args.dest, name), ignore_errors=True)
+        os.replace(dirs[name], os.path.join(args.dest, name))
+    os.rmdir(staging)
+    dirs = {name: os.path.join(args.dest, name) for name in built}
     print(f"done in {time.time() - start:.0f} s: fairseq data in {dirs['bin']}, references in {dirs['ref']}")
 
 

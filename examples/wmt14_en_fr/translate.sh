@@ -5,7 +5,8 @@
 #
 # Environment: SUBSET (default test), BEAM (default 5), OUT (where hypotheses and the log go; default: next to
 # the checkpoint), BIN (the binarized data; default DEST/bin, or prepare.py --sources-only's DEST/sources/NAME/bin).
-# Writes OUT/SUBSET.beamBEAM.TGT (TGT: the prepared data's target language) and prints its path.
+# Writes OUT/SUBSET.beamBEAM.TGT (TGT: the prepared data's target language), or OUT/NAME.SUBSET.beamBEAM.TGT for
+# BIN=DEST/sources/NAME/bin (so that a blind set's translation leaves the test set's in place), and prints its path.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 if [ $# -lt 2 ]; then usage; exit 2; fi
@@ -16,7 +17,8 @@ need_dir "$BIN" "run prepare.py --sources-only first"
 prepared_languages "$DEST"
 mkdir -p "$OUT"
 if [ -f "$DEST/bpe/spm.model" ]; then REMOVE_BPE=sentencepiece; else REMOVE_BPE="@@ "; fi
-NAME="$OUT/$SUBSET.beam$BEAM"
+if [ "$BIN" -ef "$DEST/bin" ]; then NAME="$OUT/$SUBSET.beam$BEAM"
+else NAME="$OUT/$(basename "$(dirname "$BIN")").$SUBSET.beam$BEAM"; fi
 
 "$PYTHON" -m fairseq_cli.generate "$BIN" --user-dir "$USER_DIR" --path "$CHECKPOINT" \
     --source-lang "$SRC" --target-lang "$TGT" --gen-subset "$SUBSET" --beam "$BEAM" --batch-size 128 \
