@@ -88,3 +88,18 @@ def test_smoke_run_reports_every_method(deep_knn, tmp_path, capsys):
     assert sorted(row["method"] for row in rows) == sorted(deep_knn.METHODS)
     assert all(0.0 <= row["test_accuracy"] <= 1.0 for row in rows), rows
     assert len(json_path.read_text().splitlines()) == len(deep_knn.METHODS)
+
+
+def test_bad_options_are_refused_before_any_training(deep_knn, tmp_path, capsys, monkeypatch):
+    """A --json folder that does not exist lost every result after the whole run; a template batch larger than the
+    training set was refused only when the deep kNN runs began, after the other methods had trained."""
+    for argv, said in [(["--json", str(tmp_path / "nodir" / "rows.jsonl")], "its folder does not exist"),
+                       (["--lr", "-1"], "--lr must be > 0 and --weight-decay >= 0, got -1.0 and 0.0005")]:
+        with pytest.raises(SystemExit):
+            deep_knn.parse_args(argv)
+        assert said in capsys.readouterr().err
+    settings = deep_knn.parse_args(["--template-batch-size", "5000", "--k", "9"])
+    monkeypatch.setattr(deep_knn, "load_digit_splits", lambda: {"train": {"labels": torch.zeros(1200)}})
+    monkeypatch.setattr(deep_knn, "run_raw_pixel_knn", lambda *args: pytest.fail("trained before the check"))
+    with pytest.raises(SystemExit, match="--template-batch-size must be at most the 1200 training images, got 5000"):
+        deep_knn.run_all_methods(settings)

@@ -62,6 +62,7 @@ Usage::
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -308,10 +309,7 @@ def run_deep_knn(method: str, data: Dict, settings: TrainingSettings, seed: int)
     network = DigitFeatureNet()
     relaxation = RELAXATIONS[method]
     train, val, test = data["train"], data["val"], data["test"]
-    num_train = len(train["labels"])
-    if settings.template_batch_size > num_train:
-        raise ValueError(f"--template-batch-size must be at most the {num_train} training images, "
-                         f"got {settings.template_batch_size}")
+    num_train = len(train["labels"])  # (at least --template-batch-size: run_all_methods checks it)
 
     def step_loss(queries: Tensor, generator: torch.Generator) -> Tensor:
         templates = torch.randperm(num_train, generator=generator)[:settings.template_batch_size]
@@ -393,6 +391,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> TrainingSettings:
         parser.error(f"--threads must be at least 1, got {settings.threads}")
     if settings.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, got {settings.batch_size}")
+    if not settings.lr > 0 or not settings.weight_decay >= 0:
+        parser.error(f"--lr must be > 0 and --weight-decay >= 0, got {settings.lr} and {settings.weight_decay}")
+    if settings.json and not os.path.isdir(os.path.dirname(os.path.abspath(settings.json))):
+        parser.error(f"--json {settings.json}: its folder does not exist")
     return settings
 
 
@@ -408,6 +410,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:
 
 def run_all_methods(settings: TrainingSettings) -> List[Dict]:
     data = load_digit_splits()
+    num_train = len(data["train"]["labels"])
+    if settings.template_batch_size > num_train:  # (before any training: the deep kNN runs come last)
+        raise SystemExit(f"--template-batch-size must be at most the {num_train} training images, "
+                         f"got {settings.template_batch_size}")
+    if settings.json:
+        open(settings.json, "w").close()  # each seed's rows are appended as it ends
     rows: List[Dict] = []
     for seed in settings.seeds:
         print(f"seed {seed}: {METHOD_RAW_KNN}", file=sys.stderr)
@@ -421,11 +429,12 @@ def run_all_methods(settings: TrainingSettings) -> List[Dict]:
             if row["seed"] == seed:
                 print(f"seed {seed}: {row['method']}: test accuracy {row['test_accuracy']:.4f} "
                       f"(best epoch {row['best_epoch']}, {row['train_seconds']:.1f} s)", file=sys.stderr)
-    if settings.json:
-        with open(settings.json, "w") as out:
-            for row in rows:
-                out.write(json.dumps(dict(row, k=settings.k, epsilon=settings.epsilon, epochs=settings.epochs))
-                          + "\n")
+        if settings.json:
+            with open(settings.json, "a") as out:
+                for row in rows:
+                    if row["seed"] == seed:
+                        out.write(json.dumps(dict(row, k=settings.k, epsilon=settings.epsilon,
+                                                  epochs=settings.epochs)) + "\n")
     print(markdown_table(rows))
     return rows
 
