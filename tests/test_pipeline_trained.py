@@ -2,6 +2,7 @@
 apply the workdir's own tokeniser, BPE, dictionaries and detokeniser."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -119,6 +120,15 @@ def test_translate_command_errors_are_one_line_and_nonzero(subword_workdir, tmp_
     out = translate(["--workdir", subword_workdir, "--beam", "0"])
     assert out.returncode == 2 and out.stderr.splitlines()[-1].endswith(b"error: --beam must be >= 1, got 0")
 
+    class Unread:  # standard input from a terminal: read only once the workdir and checkpoint are known good
+        def __iter__(self):
+            pytest.fail("the input was read before the workdir and checkpoint were checked")
+
+    for workdir, checkpoint, said in [(str(tmp_path), "tf", "no run.json"),
+                                      (subword_workdir, "ft_tf", "no finished checkpoint 'ft_tf'")]:
+        with pytest.raises(SystemExit, match=said):
+            trained.translate(workdir, checkpoint, 2, Unread(), sys.stdout)
+
 
 def test_score_adds_further_test_sets_to_the_results(subword_workdir, tmp_path, capsys):
     extra = [tmp_path / "extra1", tmp_path / "extra2"]
@@ -149,6 +159,11 @@ def test_score_adds_further_test_sets_to_the_results(subword_workdir, tmp_path, 
     assert results.count(trained.SCORES_HEADING) == 1 and f"| {extra[1]} | tf |" in results
     with open(os.path.join(subword_workdir, trained.SCORES_FILE), encoding="utf-8") as f:
         assert [json.loads(line)["sentences"] for line in f] == [7, 5]
+    # Scored again: recorded again, shown once (it was a duplicate row); the signature's "|" stay in its cell.
+    trained.score(subword_workdir, [str(extra[1])], None, beam=2)
+    results = open(os.path.join(subword_workdir, "results.md"), encoding="utf-8").read()
+    table = [line for line in results.splitlines() if line.startswith(f"| {tmp_path}")]
+    assert len(table) == 2 and all(len(re.split(r"(?<!\\)\|", line)) == 8 for line in table), table
 
 
 def test_score_checks_every_input_before_loading_a_model(subword_workdir, tmp_path):

@@ -132,9 +132,11 @@ def read_utf8_lines(stream: BinaryIO, name: str) -> List[str]:
 
 def translate(path: str, checkpoint: str, beam: int, source: BinaryIO, sink: TextIO) -> int:
     """The ``translate`` subcommand: lines of ``source`` to ``sink``, one out per line in; returns the
-    number of lines. The input is read (and checked) before the model is loaded."""
-    lines = read_utf8_lines(source, "standard input")
+    number of lines. The workdir and checkpoint are checked before the input is read (it may be a terminal, read
+    until Ctrl-D), the input before the model is loaded."""
     wd = Workdir(path)
+    wd.check_checkpoint(checkpoint)
+    lines = read_utf8_lines(source, "standard input")
     hub = wd.hub(checkpoint)
     for hyp in translate_lines(hub, lines, beam):
         sink.write(hyp + "\n")
@@ -179,16 +181,20 @@ def score(path: str, tests: Sequence[str], checkpoints: Optional[Sequence[str]],
 
 
 def scores_section(path: str) -> str:
-    """The results.md section listing every row of ``scores.jsonl`` ('' when nothing was scored)."""
+    """The results.md section listing the rows of ``scores.jsonl`` ('' when nothing was scored): the latest of each
+    test set, checkpoint and beam (``scores.jsonl`` keeps every one). The signature's ``|`` are escaped: it is one
+    table cell."""
     file = os.path.join(path, SCORES_FILE)
     if not os.path.isfile(file):
         return ""
     with open(file, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        latest = {}
+        for row in (json.loads(line) for line in f if line.strip()):
+            latest[row["test"], row["checkpoint"], row["beam"]] = row
     lines = [SCORES_HEADING, "", "| test set | checkpoint | beam | sentences | BLEU | sacrebleu signature |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['test']} | {r['checkpoint']} | {r['beam']} | {r['sentences']} | {r['bleu']:.2f} | "
-              f"{r['signature']} |" for r in rows]
+              f"{r['signature'].replace('|', chr(92) + '|')} |" for r in latest.values()]
     return "\n".join(lines) + "\n"
 
 
