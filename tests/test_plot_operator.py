@@ -96,3 +96,35 @@ def test_plot_attention_takes_the_modes_earlier_names_and_refuses_others(capsys,
     with pytest.raises(SystemExit):
         plot_attention.parser().parse_args(required + ["--modes", "sparsemax"])
     assert "plot_attention --modes must be one of" in capsys.readouterr().err
+
+
+def test_plot_attention_refuses_a_bad_index_or_out_path_and_warns_of_unknown_words(capsys, monkeypatch, tmp_path,
+                                                                                    caplog):
+    """A missing --out folder failed after the model had run; --index past the subset was an IndexError; words not
+    in the model's vocabulary were drawn as <unk> without a word."""
+    import logging
+
+    from fairseq.data import Dictionary
+
+    from softtopk_fairseq.tools import plot_attention
+
+    monkeypatch.setattr(plot_attention, "load", lambda *args: pytest.fail("the model was loaded first"))
+    with pytest.raises(SystemExit):
+        plot_attention.main(["--path", "c", "--data", "d", "--out", str(tmp_path / "nodir" / "a.png")])
+    assert "--out" in capsys.readouterr().err
+
+    class Task:
+        source_dictionary = target_dictionary = Dictionary()
+
+        def load_dataset(self, subset):
+            pass
+
+        def dataset(self, subset):
+            return [{"source": None, "target": None}] * 3
+
+    Task.source_dictionary.add_symbol("a")
+    with pytest.raises(SystemExit, match="--index 3: --subset test has sentences 0..2"):
+        plot_attention.sentence_pair(Task(), "test", 3, None, None)
+    with caplog.at_level(logging.WARNING):
+        plot_attention.sentence_pair(Task(), None, 0, "a Zebra", "a")
+    assert "not in the model's vocabulary, drawn as <unk>: Zebra" in caplog.text

@@ -12,6 +12,7 @@ drawn with ``--modes softmax``. Source and target strings must be in the model's
 """
 import argparse
 import logging
+import os
 from typing import Dict, List, Optional
 
 import torch
@@ -32,8 +33,16 @@ def sentence_pair(task, subset: Optional[str], index: int, source: Optional[str]
     if source is not None:
         src = src_dict.encode_line(source, add_if_not_exist=False).long()
         tgt = tgt_dict.encode_line(target or "", add_if_not_exist=False).long()
+        unknown = [word for words, ids, d in ((source.split(), src, src_dict), ((target or "").split(), tgt, tgt_dict))
+                   for word, i in zip(words, ids.tolist()) if i == d.unk()]
+        if unknown:  # (drawn as <unk>: most likely text not yet in the model's token space)
+            logging.getLogger(__name__).warning("not in the model's vocabulary, drawn as <unk>: %s (apply the "
+                                                "model's BPE first)", " ".join(unknown))
     else:
         task.load_dataset(subset)
+        size = len(task.dataset(subset))
+        if not 0 <= index < size:
+            raise SystemExit(f"--index {index}: --subset {subset} has sentences 0..{size - 1}")
         item = task.dataset(subset)[index]
         src, tgt = item["source"], item["target"]
     return src, tgt
@@ -101,14 +110,15 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True, help="checkpoint")
     p.add_argument("--data", required=True, help="the data-bin directory the model was trained on")
-    p.add_argument("--subset", default="test")
-    p.add_argument("--index", type=int, default=0, help="sentence id in --subset")
+    p.add_argument("--subset", default="test", help="the data split to draw from (default: test)")
+    p.add_argument("--index", type=int, default=0, help="sentence id in --subset (default: 0)")
     p.add_argument("--source", help="a source sentence instead of --subset/--index (model tokens)")
     p.add_argument("--target", help="its target sentence (model tokens)")
     p.add_argument("--modes", nargs="+", default=["softmax", "soft_topk", "hard_topk"], type=attention_mode,
                    metavar="{" + ",".join(relaxations.names("attention")) + "}",
-                   help="panels, one per attention mode (perturbed: one random draw)")
-    p.add_argument("--out", default="attention.png")
+                   help="panels, one per attention mode (perturbed: one random draw; default: softmax soft_topk "
+                        "hard_topk)")
+    p.add_argument("--out", default="attention.png", help="the figure's path (default: attention.png)")
     return p
 
 
@@ -117,6 +127,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
     a = p.parse_args(argv)
     if (a.source is None) != (a.target is None):
         p.error("give --source and --target together")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):  # (before the model runs)
+        p.error(f"--out {a.out}: its folder does not exist")
     model, task = load(a.path, a.data)
     src, tgt = sentence_pair(task, a.subset, a.index, a.source, a.target)
     maps = attention_maps(model, task, src, tgt, a.modes)
