@@ -106,6 +106,18 @@ def test_clean_pairs_drops_empty_long_and_unbalanced_pairs():
     assert prepare.clean_pairs(en, fr, max_len=250, max_ratio=1.5) == (["a b", "x y z"], ["c d", "u v w"])
 
 
+def test_a_failed_download_says_how_to_go_on_offline(tmp_path, monkeypatch):
+    import urllib.error
+
+    def offline(url, path):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(prepare.urllib.request, "urlretrieve", offline)
+    with pytest.raises(prepare.CorpusError, match=rf"could not download {re.escape(prepare.WMT14_URLS[0])} .*no "
+                                                  rf"network.*; offline, put the archive into {tmp_path} yourself"):
+        prepare.download(str(tmp_path))
+
+
 def test_collect_wmt14_reads_the_extracted_archives(tmp_path):
     orig = tmp_path / "orig"
     for i, corpus in enumerate(prepare.WMT14_TRAIN):

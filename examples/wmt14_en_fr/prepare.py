@@ -83,7 +83,11 @@ def download(orig: str) -> None:
         if not os.path.exists(archive):
             print(f"downloading {url}", flush=True)
             partial = archive + ".part"
-            urllib.request.urlretrieve(url, partial)
+            try:
+                urllib.request.urlretrieve(url, partial)
+            except OSError as e:  # (urllib's URLError included)
+                raise CorpusError(f"could not download {url} ({e}); offline, put the archive into {orig} yourself "
+                                  "and run with --download again") from None
             os.replace(partial, archive)
         marker = archive + ".extracted"
         if not os.path.exists(marker):
