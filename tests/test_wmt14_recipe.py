@@ -106,6 +106,18 @@ def test_clean_pairs_drops_empty_long_and_unbalanced_pairs():
     assert prepare.clean_pairs(en, fr, max_len=250, max_ratio=1.5) == (["a b", "x y z"], ["c d", "u v w"])
 
 
+def test_evaluate_refuses_a_missing_checkpoint_or_a_subset_without_references_before_decoding(prepared, tmp_path):
+    """A mistyped checkpoint path left an empty folder behind; SUBSET=train decoded the whole set first."""
+    _, dest, _, _ = prepared
+    for env, checkpoint, said in [({}, tmp_path / "typo" / "checkpoint_best.pt", "checkpoint_best.pt not found"),
+                                  ({"SUBSET": "train"}, tmp_path / "checkpoint.pt", "ref/train.fr not found")]:
+        (tmp_path / "checkpoint.pt").touch()
+        proc = subprocess.run(["bash", os.path.join(RECIPE, "evaluate.sh"), str(dest), str(checkpoint)],
+                              env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert not (tmp_path / "typo").exists()
+
+
 def test_a_failed_download_says_how_to_go_on_offline(tmp_path, monkeypatch):
     import urllib.error
 

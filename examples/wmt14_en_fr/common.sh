@@ -18,6 +18,10 @@ need_dir() {
     if [ ! -d "$1" ]; then echo "error: $1 not found ($2)" >&2; exit 2; fi
 }
 
+need_file() {
+    if [ ! -f "$1" ]; then echo "error: $1 not found ($2)" >&2; exit 2; fi
+}
+
 # SRC and TGT of a prepared DEST, from fairseq-preprocess's file names (DEST/bin/valid.SRC-TGT.SRC.idx).
 prepared_languages() {
     local idx pair

@@ -13,6 +13,7 @@ if [ $# -lt 2 ]; then usage; exit 2; fi
 DEST=$1; CHECKPOINT=$2; shift 2
 SUBSET=${SUBSET:-test}; BEAM=${BEAM:-5}; OUT=${OUT:-$(dirname "$CHECKPOINT")}; BIN=${BIN:-$DEST/bin}
 need_dir "$DEST/bin" "run prepare.py first"
+need_file "$CHECKPOINT" "a checkpoint train.sh or finetune_soft_beam.sh wrote"
 need_dir "$BIN" "run prepare.py --sources-only first"
 prepared_languages "$DEST"
 mkdir -p "$OUT"
