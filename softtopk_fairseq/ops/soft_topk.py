@@ -273,7 +273,8 @@ def _thin_route(scores, k, dim, epsilon, sorted, scaling, backend) -> Optional[b
     if torch.compiler.is_compiling():  # (first: what follows is not for Dynamo to trace)
         return None
     if not (type(scores) in _PLAIN_TENSORS and scores.dtype is torch.float32 and scores.dim() > 0
-            and (dim == -1 or dim == scores.dim() - 1) and type(k) is int and 0 < k <= scores.shape[-1]
+            and type(dim) is int and (dim == -1 or dim == scores.dim() - 1)
+            and type(k) is int and 0 < k <= scores.shape[-1]
             and type(epsilon) in (float, int) and _FLOAT32.tiny <= epsilon <= _FLOAT32.max and scaling in ("none", "paper")
             and scores.is_contiguous() and scores.numel() > 0):
         return None
@@ -433,7 +434,8 @@ class _DivideByTemperature(torch.autograd.Function):
         return grad_x, grad_t, None
 
 
-def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[Tensor] = None) -> Tensor:
+def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[Tensor] = None, *,
+                          check_errors: bool = True) -> Tensor:
     """``scores / T`` along the last dimension, ``T`` (rows,) per row (e.g. :func:`effective_epsilon`),
     differentiable in both; entries not ``valid`` (default: the ``-inf`` ones, the op's rule,
     ``backends.valid_entries``) are ``-inf`` with zero gradient. A NaN or ``+inf`` score stays as it is, for the
@@ -443,7 +445,9 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
     score whose quotient leaves the float range is clamped to +-``finfo.max`` (a valid entry stays one -- an
     overflow to ``+inf`` would read as a bad score, to ``-inf`` as an excluded one -- and a zero ``dL/du`` there
     is no ``0 * inf``); the gradient is that of ``x / T`` throughout. For relaxations that take the temperature as
-    a division of the scores (softmax-k-times, the perturbed top-k at ``sigma = 1``)."""
+    a division of the scores (softmax-k-times, the perturbed top-k at ``sigma = 1``). ``check_errors``: refuse a
+    temperature <= 0 (one value read back from the device; not while compiling); ``False`` for a caller whose
+    temperatures are :func:`effective_epsilon`'s and that divides by them again and again."""
     if not isinstance(temperature, Tensor) or temperature.shape != scores.shape[:-1]:
         shape = tuple(temperature.shape) if isinstance(temperature, Tensor) else type(temperature).__name__
         raise ValueError(f"divide_by_temperature: temperature must be a tensor shaped like the scores without their "
@@ -459,7 +463,7 @@ def divide_by_temperature(scores: Tensor, temperature: Tensor, valid: Optional[T
                          f"{tuple(scores.shape)}, got {what}")
     # (a NaN temperature -- effective_epsilon's for a bad row -- passes: the row's NaN is handed on. Not checked
     # while compiling, where reading the check back would break the graph.)
-    if not torch.compiler.is_compiling() and bool((temperature <= 0).any()):
+    if check_errors and not torch.compiler.is_compiling() and bool((temperature <= 0).any()):
         bad = temperature[temperature <= 0][0].item()
         raise ValueError(f"divide_by_temperature: temperatures must be > 0, got {bad} (a row's effective_epsilon is)")
     return _DivideByTemperature.apply(scores, temperature, valid)

@@ -57,7 +57,7 @@ def softmax_k_times(scores: Tensor, k: int, *, dim: int = -1, epsilon: float = d
         # of the softmax at any finite T anyway.
         largest_left = order.values[..., rank:rank + 1]
         shift = torch.where(largest_left > -torch.inf, largest_left, 0.0)
-        logits = divide_by_temperature((compute - shift).clamp_min(lowest), T, left)
+        logits = divide_by_temperature((compute - shift).clamp_min(lowest), T, left, check_errors=False)
         # A rank with no entry left (n_valid <= rank) is an all-zero column, not softmax(-inf...) = NaN.
         alive = left.any(-1, keepdim=True)
         safe = torch.where(alive, logits, torch.zeros_like(logits))
