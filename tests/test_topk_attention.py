@@ -173,8 +173,8 @@ def test_multihead_attention_in_softmax_mode_equals_fairseq():
 def test_multihead_attention_takes_torchs_bool_masks_and_refuses_what_fairseqs_path_would_misread():
     """The layer takes fairseq's own path (not PyTorch's fused attention), which adds attn_mask to the scores: a
     bool mask (True = blocked, as PyTorch's attention and fairseq's fused path read it) raised blocked scores by 1
-    -- query 0 of a causal mask put most of its weight on the future. Now it masks them, as the stock layer does; a
-    per-head 3-D mask and a query of the wrong width are refused by name (they were torch shape errors)."""
+    -- query 0 of a causal mask put most of its weight on the future. It masks them, as the stock layer does; a
+    per-head 3-D mask and a query of the wrong width are refused by name (not torch shape errors)."""
     torch.manual_seed(6)
     stock = MultiheadAttention(8, 2, self_attention=True).eval()
     topk = TopkMultiheadAttention.convert(copy.deepcopy(stock), k=2, epsilon=0.1, mode="softmax", inference="same")
@@ -256,8 +256,8 @@ def test_a_float64_attention_takes_a_temperature_below_float32s_range():
 def test_rnnsearch_attention_is_over_the_sources_own_positions(arch):
     """fairseq's generator reads the decoder's attention against src_tokens (--print-alignment, --replace-unk):
     the encoder runs on right-padded tokens, and the weights of a left-padded sentence were over those -- on its
-    padding columns, the last tokens' weights missing. Now a left-padded row's weights are the same sentence's
-    alone, shifted to its tokens, with zeros on its padding."""
+    padding columns, the last tokens' weights missing. A left-padded row's weights are the same sentence's alone,
+    shifted to its tokens, with zeros on its padding."""
     d = dictionary()
     model = build(arch, d, **({"topk_attn_k": 2} if "topk" in arch else {})).eval()
     ni = batch(d)["net_input"]

@@ -61,7 +61,7 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
         layer.skip_embed_dim_check = True
         return layer.configure_topk(k, epsilon, mode, inference, samples)
 
-    def additive_mask(self, query: Tensor, key: Optional[Tensor], attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+    def additive_mask(self, query: Tensor, attn_mask: Optional[Tensor]) -> Optional[Tensor]:
         """``attn_mask`` as the additive float mask of shape (tgt_len, src_len) that fairseq's own path (the one
         this layer takes) adds to the scores: a bool or uint8 mask -- ``True`` = blocked, as in
         ``torch.nn.MultiheadAttention``, which fairseq's fused path hands it to -- becomes ``-inf`` there and 0
@@ -86,7 +86,7 @@ class TopkMultiheadAttention(TopkAttentionMixin, MultiheadAttention):
     def forward(self, query, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask=None,
                 incremental_state=None, need_weights: bool = True, static_kv: bool = False, attn_mask=None,
                 before_softmax: bool = False, need_head_weights: bool = False):
-        attn_mask = self.additive_mask(query, key, attn_mask)
+        attn_mask = self.additive_mask(query, attn_mask)  # (and the query's width checked)
         scores, v = super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                     incremental_state=incremental_state, need_weights=need_weights,
                                     static_kv=static_kv, attn_mask=attn_mask, before_softmax=True)
