@@ -207,6 +207,12 @@ def test_blind_sources_use_dests_bpe_and_translate_beside_the_test_set(prepared,
                       env_extra={"BEAM": "2", "BIN": str(dest / "sources" / "blind" / "bin")}).strip().splitlines()[-1]
     assert test_hyps == str(ckpt / "test.beam2.fr") and blind_hyps == str(ckpt / "blind.test.beam2.fr")
     assert text.read_lines(test_hyps) == text.read_lines(blind_hyps)  # (the same sources: the same translations)
+    # Prepared again, DEST's blind sets go with the preparation whose BPE and dictionaries encoded them.
+    again = tmp_path / "again"
+    shutil.copytree(dest, again)
+    _run(sys.executable, os.path.join(RECIPE, "prepare.py"), "--dest", again, "--train", raw["train"], "--valid",
+         raw["valid"], "--test", raw["test"], "--max-lines", 200, "--bpe-size", 100, "--workers", 1)
+    assert sorted(os.listdir(again)) == sorted(set(os.listdir(dest)) - {"sources"})
 
 
 def test_recipe_trains_fine_tunes_and_evaluates(prepared):

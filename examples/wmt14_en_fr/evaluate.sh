@@ -11,7 +11,6 @@ if [ $# -lt 2 ]; then usage; exit 2; fi
 DEST=$1; CHECKPOINT=$2
 SUBSET=${SUBSET:-test}; BEAM=${BEAM:-5}; OUT=${OUT:-$(dirname "$CHECKPOINT")}
 need_dir "$DEST/bin" "run prepare.py first"
-need_file "$CHECKPOINT" "a checkpoint train.sh or finetune_soft_beam.sh wrote"
 prepared_languages "$DEST"
 need_file "$DEST/ref/$SUBSET.$TGT" "SUBSET is test or valid, the sets with references"
 HYP=$(SUBSET=$SUBSET BEAM=$BEAM OUT=$OUT BIN="$DEST/bin" bash "$RECIPE_DIR/translate.sh" "$@")

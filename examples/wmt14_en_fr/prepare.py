@@ -25,9 +25,10 @@ Steps, as fairseq's ``examples/translation/prepare-wmt14en2fr.sh`` does them:
 
 The untouched references go to ``DEST/ref/{valid,test}.{en,TGT}``; ``evaluate.sh`` scores against them with
 detokenised sacrebleu. Large inputs are streamed in chunks over ``--workers`` processes. A missing input or sides of
-different lengths stop the run with a one-line error. The run builds in ``DEST/.preparing`` and replaces
-``DEST/{ref,tok,bpe,bin}`` together only at its end: a run that stops leaves an earlier preparation whole (nothing of
-it mixed with the new one -- a stale BPE model would decode the new data wrongly).
+different lengths stop the run with a one-line error. The run builds in ``DEST/.preparing`` (room for a second
+copy of the data) and replaces ``DEST/{ref,tok,bpe,bin}`` together only at its end: a run that stops leaves an
+earlier preparation whole, never mixed with the new one (a stale BPE model would decode the new data wrongly). The
+earlier preparation's ``DEST/sources`` goes with it: prepare the blind sets again.
 
 ``--sources-only NAME=FILE ...`` on a prepared DEST: English text with no reference (a blind test set), normalised
 and encoded as the training sources were, binarized with DEST's dictionaries into ``DEST/sources/NAME/bin``
@@ -284,7 +285,7 @@ def parse_args(argv=None):
     p.add_argument("--test", help="prefix of local raw test text")
     p.add_argument("--max-lines", type=int, default=0, help="use only the first N training pairs (0: all)")
     p.add_argument("--bpe", choices=text.BPE_METHODS,
-                   help="subword_nmt (default) or sentencepiece; with --sources-only, DEST's (found there)")
+                   help=f"default {text.BPE_METHODS[0]}; with --sources-only, DEST's (found there)")
     p.add_argument("--bpe-size", type=int, default=40000,
                    help="merges (subword-nmt) or vocabulary size (sentencepiece); default 40000")
     p.add_argument("--max-len", type=int, default=250, help="longest training sentence kept, in tokens")
@@ -303,7 +304,7 @@ def parse_args(argv=None):
     problems = [f"{flag} must be >= {low}, got {value}" for flag, (value, low) in least.items() if not value >= low]
     if problems:
         p.error("; ".join(problems))
-    args.bpe = args.bpe or "subword_nmt"
+    args.bpe = args.bpe or text.BPE_METHODS[0]
     if args.download == any(local) or (not args.download and not all(local)):
         p.error("give either --download or all of --train, --valid and --test")
     if args.download and args.tgt != "fr":
@@ -374,10 +375,17 @@ def prepare(args) -> None:
             pool.join()
     run.binarize(dirs["bpe"], dirs["bin"], *langs, os.path.join(args.dest, "preprocess.log"),
                  workers=args.workers)
-    for name in built:  # (only now, all together: a run stopped above leaves an earlier preparation whole)
-        shutil.rmtree(os.path.join(args.dest, name), ignore_errors=True)
+    # Only now, and by renames (instant): a run stopped before leaves an earlier preparation whole, one stopped
+    # between the two loops leaves none -- never parts of two. The blind sets of --sources-only go with the old
+    # preparation: they were encoded with its BPE and dictionaries.
+    old = os.path.join(staging, "old")
+    os.makedirs(old)
+    for name in (*built, "sources"):
+        if os.path.lexists(os.path.join(args.dest, name)):
+            os.replace(os.path.join(args.dest, name), os.path.join(old, name))
+    for name in built:
         os.replace(dirs[name], os.path.join(args.dest, name))
-    os.rmdir(staging)
+    shutil.rmtree(staging)
     dirs = {name: os.path.join(args.dest, name) for name in built}
     print(f"done in {time.time() - start:.0f} s: fairseq data in {dirs['bin']}, references in {dirs['ref']}")
 

@@ -5,8 +5,9 @@
 #
 # Environment: SUBSET (default test), BEAM (default 5), OUT (where hypotheses and the log go; default: next to
 # the checkpoint), BIN (the binarized data; default DEST/bin, or prepare.py --sources-only's DEST/sources/NAME/bin).
-# Writes OUT/SUBSET.beamBEAM.TGT (TGT: the prepared data's target language), or OUT/NAME.SUBSET.beamBEAM.TGT for
-# BIN=DEST/sources/NAME/bin (so that a blind set's translation leaves the test set's in place), and prints its path.
+# Writes OUT/SUBSET.beamBEAM.TGT (TGT: the prepared data's target language) -- for another BIN, such as
+# DEST/sources/NAME/bin, OUT/NAME.SUBSET.beamBEAM.TGT (NAME: the folder BIN is in), leaving the test set's in
+# place -- and prints its path.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 if [ $# -lt 2 ]; then usage; exit 2; fi
@@ -19,7 +20,7 @@ prepared_languages "$DEST"
 mkdir -p "$OUT"
 if [ -f "$DEST/bpe/spm.model" ]; then REMOVE_BPE=sentencepiece; else REMOVE_BPE="@@ "; fi
 if [ "$BIN" -ef "$DEST/bin" ]; then NAME="$OUT/$SUBSET.beam$BEAM"
-else NAME="$OUT/$(basename "$(dirname "$BIN")").$SUBSET.beam$BEAM"; fi
+else NAME="$OUT/$(basename "$(dirname "$(realpath "$BIN")")").$SUBSET.beam$BEAM"; fi
 
 "$PYTHON" -m fairseq_cli.generate "$BIN" --user-dir "$USER_DIR" --path "$CHECKPOINT" \
     --source-lang "$SRC" --target-lang "$TGT" --gen-subset "$SUBSET" --beam "$BEAM" --batch-size 128 \
