@@ -182,6 +182,51 @@ def test_a_finished_workdir_survives_bad_commands_and_an_interrupted_run_resumes
     assert snapshot(work) == finished
 
 
+def test_every_option_that_defines_the_run_names_the_first_stage_it_changes():
+    """A corrected option is taken while its stage is incomplete: each option that defines the run must say which
+    stage that is (a forgotten one would refuse every correction of it, as an option of the whole run)."""
+    defining = {f.name for f in dataclasses.fields(run.Config)} - set(workdir.NOT_PART_OF_THE_RUN)
+    assert set(run.FIRST_STAGE_CHANGED) == defining
+    assert set(run.FIRST_STAGE_CHANGED.values()) <= set(run.STAGES)
+
+
+def test_an_option_that_failed_at_its_stage_is_corrected_in_place(tmp_path, monkeypatch, capsys):
+    """A sentencepiece --bpe-size the corpus cannot fill fails at the BPE stage, after the raw text: the corrected
+    command goes on in the same workdir (it was refused as a different run). A training interrupted, then
+    started again with another of its options, starts over rather than continue the old options' checkpoint;
+    once a stage completes, its options are the run's."""
+    work = tmp_path / "work"
+    with pytest.raises(RuntimeError, match="Vocabulary size too high"):
+        run.run_pipeline(_tiny_config(tmp_path, bpe="sentencepiece", bpe_size=5000))
+    assert workdir.Stages(str(work)).names() == ["raw"]
+    real = run.run_logged
+
+    def killed_at_training(cmd, log_path, env=None):
+        if log_path.endswith("train.tf.log"):
+            raise KeyboardInterrupt
+        return real(cmd, log_path, env)
+
+    monkeypatch.setattr(run, "run_logged", killed_at_training)
+    with pytest.raises(KeyboardInterrupt):
+        run.run_pipeline(_tiny_config(tmp_path, bpe="sentencepiece"))
+    monkeypatch.setattr(run, "run_logged", real)
+    capsys.readouterr()
+    assert workdir.Stages(str(work)).names() == ["bin", "bpe", "raw"]
+    (work / "checkpoints" / "tf").mkdir(parents=True)
+    (work / "checkpoints" / "tf" / "checkpoint_last.pt").write_bytes(b"the old options' training")
+    rows = run.run_pipeline(_tiny_config(tmp_path, bpe="sentencepiece", max_tokens=400))
+    out = capsys.readouterr().out
+    assert "options of stages not completed yet changed (max_tokens)" in out
+    assert "already complete (bin): skipped" in out and "resuming from" not in out
+    assert [row["run"] for row in rows] == ["teacher forcing"]
+    finished = snapshot(work)
+    with pytest.raises(SystemExit, match=r"it differs in: bpe_size, which its completed stage bpe was made with"):
+        run.run_pipeline(_tiny_config(tmp_path, bpe="sentencepiece", bpe_size=60, max_tokens=400))
+    with pytest.raises(SystemExit, match=r"it differs in: max_tokens, which its completed stage train.tf was made"):
+        run.run_pipeline(_tiny_config(tmp_path, bpe="sentencepiece"))
+    assert snapshot(work) == finished
+
+
 def test_a_directory_of_unknown_files_is_refused_not_wiped(tmp_path):
     work = tmp_path / "work"
     work.mkdir()

@@ -12,7 +12,8 @@ subprocess whose log streams to the terminal and to ``WORKDIR/logs/``. The table
 
 Safe to re-run (``workdir.py``): the options and inputs are checked before the workdir is touched, a workdir
 that holds a different run is refused (never wiped), and running the same command again after an interruption
-resumes -- completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``.
+resumes -- completed stages are skipped, an interrupted training continues from its ``checkpoint_last.pt``. An
+option of a stage not completed yet may change (one that failed at its stage is corrected in place).
 
 Using the trained models (``trained.py``; ``--help`` after the subcommand):
 
@@ -23,6 +24,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -131,6 +133,21 @@ class Config:
     soft_beam_candidates: int = option(50, help="candidates kept per sentence before the soft top-k (0: all k*V)")
     topk_attn_k: int = option(defaults.TOPK_ATTN_K, help="keys per query of the top-k attention run")
     topk_attn_epsilon: float = option(defaults.EPSILON, help="its SOFT top-k temperature")
+
+
+# The stages in the order they run -- what their completion markers' names begin with -- and, for each option that
+# defines the run, the first of them it changes: a workdir takes a corrected option while that stage and every
+# later one are incomplete (a --bpe-size the corpus cannot fill fails at the BPE stage, after the raw text).
+STAGES = ("raw", "bpe", "bin", "train.tf", "train.ft_", "generate.")
+FIRST_STAGE_CHANGED = {
+    **dict.fromkeys(("src", "tgt", "train", "valid", "test", "toy_sizes", "max_lines", "seed"), "raw"),
+    **dict.fromkeys(("bpe", "bpe_size"), "bpe"),
+    **dict.fromkeys(("arch", "size", "max_update", "max_tokens", "lr", "warmup"), "train.tf"),
+    **dict.fromkeys(("finetune_updates", "finetune_lr", "teacher_forcing_ratio", "soft_beam_size",
+                     "soft_beam_epsilon", "soft_beam_scaling", "soft_beam_candidates", "topk_attn_k",
+                     "topk_attn_epsilon"), "train.ft_"),
+    "beams": "generate.",
+}
 
 
 # The pipeline's flags of version 0.1 -> their names now: still accepted, with a one-time FutureWarning.
@@ -532,11 +549,14 @@ def run_pipeline(cfg: Config) -> List[dict]:
     if problems:
         raise SystemExit("option error:\n  " + "\n  ".join(problems))
     inputs = _inputs(cfg)
-    resumed = workdir.claim(cfg.workdir, workdir.fingerprint(cfg, inputs))
+    resumed, changed = workdir.claim(cfg.workdir, workdir.fingerprint(cfg, inputs), STAGES, FIRST_STAGE_CHANGED)
     stages = workdir.Stages(cfg.workdir)
     dirs = {name: os.path.join(cfg.workdir, name) for name in ("raw", "bpe", "bin", "checkpoints", "logs")}
     for path in dirs.values():
         os.makedirs(path, exist_ok=True)
+    for key in os.listdir(dirs["checkpoints"]):  # an interrupted training of changed options starts over
+        if f"train.{key}".startswith(changed):
+            shutil.rmtree(os.path.join(dirs["checkpoints"], key))
     env = subprocess_env(cfg)
     total = 6 if cfg.finetune_updates > 0 else 5
     source = (f"generated toy {'->'.join(toy_corpus.LANGUAGES)} corpus" if generated_corpus(cfg)

@@ -7,8 +7,10 @@ belongs to one run, and an interrupted run resumes.
 * :func:`location_problems` -- the workdir can be a directory this user writes (not a file, nor below one).
 * :func:`claim` -- ``WORKDIR/run.json`` records what defines the run (the options that change its results
   and the size and modification time of each input file). A fresh or empty workdir is claimed; one that
-  holds the same run is resumed; one that holds a different run, or files of unknown origin, is refused
-  with the differences listed -- never wiped.
+  holds the same run is resumed; one whose run differs only in options of stages it has not completed takes
+  the new ones (an option that fails at its own stage, such as a BPE size the corpus cannot fill, is
+  corrected in place); one that holds a different run, or files of unknown origin, is refused with the
+  differences listed -- never wiped.
 * :class:`Stages` -- a stage is complete when its marker ``WORKDIR/.stages/NAME.done`` exists, written only
   after the stage finished; an incomplete stage's own outputs are cleared and redone (training stages
   continue from fairseq's ``checkpoint_last.pt`` instead).
@@ -17,7 +19,7 @@ import json
 import os
 import shutil
 from dataclasses import asdict
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 # Options that do not change a run's results: they may differ between a run and its resumption.
 NOT_PART_OF_THE_RUN = ("workdir", "threads")
@@ -115,30 +117,59 @@ def fingerprint(cfg, input_files: List[str]) -> dict:
     return {"options": json.loads(json.dumps(options)), "inputs": files}
 
 
-def claim(workdir: str, run: dict) -> bool:
-    """Make ``workdir`` this run's; returns True when it resumes an earlier start of the same run. Refuses
-    (SystemExit) a workdir that holds another run, or files it cannot attribute to one."""
+class Claim(NamedTuple):
+    """What :func:`claim` found: whether the workdir holds an earlier start of this run, and the stages (names
+    their markers begin with) whose options changed -- none of them complete, so their partial work must go."""
+
+    resumed: bool
+    changed: Tuple[str, ...] = ()
+
+
+def claim(workdir: str, run: dict, stages: Sequence[str] = (), first_changed: Optional[Dict[str, str]] = None
+          ) -> Claim:
+    """Make ``workdir`` this run's. ``stages``: the names the completion markers begin with, in the order the
+    stages run; ``first_changed``: for each option, the first of them it changes (the input files change the
+    first). A workdir whose run differs only in options whose first stage, and every later one, is incomplete
+    takes the new run; one that holds another run, or files it cannot attribute to one, is refused
+    (SystemExit) with nothing changed."""
     record = os.path.join(workdir, "run.json")
     if os.path.isfile(record):
         with open(record, encoding="utf-8") as f:
             previous = json.load(f)
         if previous == run:
-            return True
+            return Claim(resumed=True)
         diff = sorted({k for k in set(previous["options"]) | set(run["options"])
                        if previous["options"].get(k) != run["options"].get(k)})
+        first = [(first_changed or {}).get(k) for k in diff]
         if previous.get("inputs") != run["inputs"]:
             diff.append("input files (paths, sizes or modification times)")
-        raise SystemExit(f"{workdir} holds a different run (it differs in: {', '.join(diff)}); nothing was "
+            first.append(stages[0] if stages else None)
+        made = ""
+        if first and None not in first:  # (an option without a stage: the whole run)
+            changed = tuple(stages[min(stages.index(name) for name in first):])
+            done = Stages(workdir).names()
+            complete = [name for stage in changed for name in done if name.startswith(stage)]
+            if not complete:
+                _write(record, run)
+                print(f"{workdir}: options of stages not completed yet changed ({', '.join(diff)}): those stages "
+                      "start over with them")
+                return Claim(resumed=True, changed=changed)
+            made = f", which its completed stage {complete[0]} was made with"
+        raise SystemExit(f"{workdir} holds a different run (it differs in: {', '.join(diff)}{made}); nothing was "
                          "changed. Use another --workdir, or delete that one yourself to start over.")
     if os.path.isdir(workdir) and os.listdir(workdir):
         raise SystemExit(f"{workdir} is not empty and holds no run.json of this pipeline; nothing was changed. "
                          "Use another --workdir, or delete that one yourself.")
     os.makedirs(workdir, exist_ok=True)
+    _write(record, run)
+    return Claim(resumed=False)
+
+
+def _write(record: str, run: dict) -> None:
     tmp = record + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(run, f, indent=1, sort_keys=True)
     os.replace(tmp, record)
-    return False
 
 
 class Stages:
@@ -149,6 +180,12 @@ class Stages:
 
     def done(self, name: str) -> bool:
         return os.path.isfile(os.path.join(self.dir, f"{name}.done"))
+
+    def names(self) -> List[str]:
+        """The completed stages' names, sorted."""
+        if not os.path.isdir(self.dir):
+            return []
+        return sorted(name[:-len(".done")] for name in os.listdir(self.dir) if name.endswith(".done"))
 
     def mark(self, name: str, data: Optional[dict] = None) -> None:
         """Record that ``name`` finished, with optional data (e.g. its wall time), atomically."""
