@@ -5,12 +5,13 @@
 # fairseq-fixed compiled against that torch (--no-build-isolation), then the rest.
 #
 # Which torch build: SOFTTOPK_TORCH=cpu|cuda|auto (default auto: cuda when `nvidia-smi -L` lists a GPU).
-# - cpu: torch==2.13.0 as the package index serves it for CPU (the CPU build on this project's machines),
-#   with triton pinned in constraints.txt (used only by the Triton interpreter in the tests).
+# - cpu: torch==2.13.0 as the package index serves it, with triton pinned in constraints.txt (used only by the
+#   Triton interpreter in the tests); where that is PyPI's Linux wheel -- the CUDA build, whose own triton pin
+#   conflicts with ours -- from PyTorch's CPU wheel index (CPU_INDEX below) instead.
 # - cuda: PyPI's torch==2.13.0 Linux wheel, which is the CUDA 13 build, and the triton it requires
-#   (constraints-cuda.txt overrides the pins that differ); SOFTTOPK_TORCH_INDEX=URL takes torch from another
-#   index instead (e.g. a PyTorch wheel index for another CUDA version). Set-up fails if the installed torch
-#   then has no CUDA.
+#   (constraints-cuda.txt overrides the pins that differ). Set-up fails if the installed torch then has no CUDA.
+# SOFTTOPK_TORCH_INDEX=URL takes torch from that wheel index, for either build (e.g. a PyTorch wheel index for
+# another CUDA version).
 # SOFTTOPK_SETUP_PLAN=1 prints the chosen build and the effective pins, and installs nothing.
 # Idempotent: when the constraints, pyproject.toml, this script and the chosen build are unchanged since the last
 # successful run, it returns in well under a second.
@@ -20,6 +21,7 @@ venv=${SOFTTOPK_VENV:-$root/.venv}
 py=${PYTHON:-python3}
 stamp=$venv/.softtopk-setup-stamp
 flavour=${SOFTTOPK_TORCH:-auto}
+CPU_INDEX=https://download.pytorch.org/whl/cpu
 if [[ $flavour == auto ]]; then
     if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
         flavour=cuda
@@ -38,7 +40,7 @@ if [[ $flavour == cuda ]]; then
 fi
 if [[ -n ${SOFTTOPK_SETUP_PLAN:-} ]]; then  # say what would be installed, install nothing
     index=""
-    [[ $flavour == cuda && -n ${SOFTTOPK_TORCH_INDEX:-} ]] && index=" (index $SOFTTOPK_TORCH_INDEX)"
+    [[ -n ${SOFTTOPK_TORCH_INDEX:-} ]] && index=" (index $SOFTTOPK_TORCH_INDEX)"
     echo "torch build: $flavour$index"
     echo "constraints:"
     grep -E '==' "$constraints"
@@ -57,10 +59,13 @@ start=$(date +%s)
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q -c "$constraints")
 
 log "1/5 torch 2.13.0 ($flavour build, pinned)"
-if [[ $flavour == cuda && -n ${SOFTTOPK_TORCH_INDEX:-} ]]; then
+if [[ -n ${SOFTTOPK_TORCH_INDEX:-} ]]; then
     "${pip[@]}" --index-url "$SOFTTOPK_TORCH_INDEX" torch==2.13.0
-else
-    "${pip[@]}" torch==2.13.0
+elif ! "${pip[@]}" torch==2.13.0; then
+    [[ $flavour == cpu ]] || exit 1
+    log "the package index serves no CPU build of torch 2.13.0 (PyPI's Linux wheel is the CUDA one): taking it"
+    log "from $CPU_INDEX (SOFTTOPK_TORCH_INDEX=URL names another)"
+    "${pip[@]}" --index-url "$CPU_INDEX" torch==2.13.0
 fi
 log "2/5 build dependencies"
 "${pip[@]}" setuptools wheel cython numpy

@@ -48,10 +48,42 @@ def test_unknown_build_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("flavour", ["cpu", "cuda"])
-def test_an_explicit_index_is_used_for_the_cuda_build_only(tmp_path, flavour):
+def test_an_explicit_index_is_used_for_either_build(tmp_path, flavour):
     out = _plan(tmp_path, SOFTTOPK_TORCH=flavour, SOFTTOPK_TORCH_INDEX="https://example.invalid/whl")
-    assert out.returncode == 0
-    assert ("(index https://example.invalid/whl)" in out.stdout) == (flavour == "cuda")
+    assert out.returncode == 0 and f"torch build: {flavour} (index https://example.invalid/whl)" in out.stdout
+
+
+# A venv whose python records each call and whose pip, as on a machine whose index is PyPI, cannot install
+# torch==2.13.0 with our pins unless an index is named (PyPI's Linux wheel is the CUDA build, pinning its own triton).
+FAKE_PYTHON = """#!/bin/sh
+echo "$*" >> "$(dirname "$0")/calls"
+case "$*" in
+  *"import torch"*) echo "2.13.0+cpu None" ;;
+  *"pip install"*"torch==2.13.0"*) case "$*" in *--index-url*) ;; *) echo "ResolutionImpossible" >&2; exit 1 ;; esac ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "cuda"])
+def test_a_cpu_setup_where_the_index_serves_the_cuda_torch_takes_pytorchs_cpu_wheels(tmp_path, flavour):
+    """A stock machine's pip (PyPI) has no CPU torch 2.13.0 for Linux: the CPU set-up failed there on the CUDA
+    wheel's triton pin. It takes the CPU build from PyTorch's own index instead; the CUDA set-up has no such
+    fallback (it fails as pip did)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("SOFTTOPK_TORCH_INDEX", "SOFTTOPK_SETUP_PLAN")}
+    out = subprocess.run(["bash", SCRIPT], env=dict(env, SOFTTOPK_VENV=str(venv), SOFTTOPK_TORCH=flavour),
+                         capture_output=True, text=True)
+    torch_calls = [c for c in (venv / "bin" / "calls").read_text().splitlines() if c.endswith("torch==2.13.0")]
+    if flavour == "cuda":
+        assert out.returncode == 1 and len(torch_calls) == 1
+        return
+    assert out.returncode == 0, out.stderr
+    assert "--index-url" not in torch_calls[0] and len(torch_calls) == 2
+    assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in torch_calls[1]
+    assert "the package index serves no CPU build of torch 2.13.0" in out.stderr
 
 
 def test_the_lowest_versions_checked_are_the_floors_pyproject_declares():
