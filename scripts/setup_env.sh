@@ -55,7 +55,12 @@ fi
 
 log() { printf '[setup_env] %s\n' "$*" >&2; }
 start=$(date +%s)
-[[ -x $venv/bin/python ]] || { log "creating $venv"; "$py" -m venv "$venv"; }
+if [[ ! -x $venv/bin/python ]]; then
+    "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
+        log "Python >= 3.11 is needed; $py is $("$py" --version 2>&1 || echo missing): set PYTHON=python3.11"; exit 2; }
+    log "creating $venv"
+    "$py" -m venv "$venv"
+fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q -c "$constraints")
 
 log "1/5 torch 2.13.0 ($flavour build, pinned)"

@@ -107,3 +107,15 @@ def test_the_lowest_versions_checked_are_the_floors_pyproject_declares():
     with open(os.path.join(root, "tests", "lowest_versions.txt"), encoding="utf-8") as f:
         files = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     assert files and all(os.path.exists(os.path.join(root, path)) for path in files), files
+
+
+def test_a_python_older_than_the_declared_floor_is_named_before_anything_is_installed(tmp_path):
+    """pyproject.toml declares Python >= 3.11, which pip enforced only at the last step, minutes in."""
+    old = tmp_path / "python3.9"
+    old.write_text("#!/bin/sh\ncase \"$1\" in --version) echo 'Python 3.9.18' ;; *) exit 1 ;; esac\n")
+    old.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("SOFTTOPK_TORCH_INDEX", "SOFTTOPK_SETUP_PLAN")}
+    out = subprocess.run(["bash", SCRIPT], env=dict(env, SOFTTOPK_VENV=str(tmp_path / "venv"), PYTHON=str(old)),
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Python >= 3.11 is needed" in out.stderr and "Python 3.9.18" in out.stderr
+    assert "set PYTHON=python3.11" in out.stderr and not (tmp_path / "venv").exists()
