@@ -794,8 +794,8 @@ def render(pairs: List[Pair], plot_path: Optional[str] = None, page_path: Option
         *answers,
         "",
         "**Caveats.** One data set (two target languages, the same English sources), one model size (a 2+2-layer "
-        "transformer with 128-dimensional embeddings for attention; a 256-unit RNNsearch for fine-tuning), one k "
-        "and one temperature (k 4, epsilon 0.1), "
+        "transformer with 128-dimensional embeddings for attention; for fine-tuning an RNNsearch with a 256-unit "
+        "bidirectional GRU encoder and a 512-unit decoder), one k and one temperature (k 4, epsilon 0.1), "
         + (f"two fine-tuning settings (278 updates at Adam 1e-4; to convergence at one rate, {candidates})"
            if tune_arms else "one fine-tuning setting (278 updates at Adam 1e-4)") + ". The pooled "
         "tests ask whether a system is better on these test sentences across three training runs; with three "

@@ -1,6 +1,6 @@
 """The offline demo pipeline: raw parallel text -> BPE -> fairseq-preprocess -> fairseq-train (teacher
-forcing) -> fine-tuning, continued teacher forcing vs soft beam search for the same number of updates ->
-fairseq-generate -> sacrebleu, ending with a results table.
+forcing) -> fine-tuning for the same number of updates by continued teacher forcing, soft beam search and top-k
+attention -> fairseq-generate -> sacrebleu, ending with a results table.
 
     python -m softtopk_fairseq.pipeline                    # generated toy en->fr corpus (default)
     python -m softtopk_fairseq.pipeline --train DATA/train --valid DATA/val \\
