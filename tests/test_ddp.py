@@ -124,3 +124,45 @@ def test_without_running_inside_ddp_forward_the_ranks_drift(tmp_path):
         r = results[case]
         assert r["max_diff"] > 1e-3 * r["scale"], (case, r)
     assert results["nan on rank 1"]["grads_finite"] == [True, False]  # no all-reduce: rank 0 never sees the NaN
+
+
+def _device_ids_worker(rank, port, result_path):
+    sys.path.insert(0, TESTS)
+    from fairseq.distributed import ModuleProxyWrapper
+    from softtopk_fairseq.criterions import soft_beam_search as criterion_module
+    from tiny_models import TinyTask, batch, build, dictionary
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    d = dictionary(12)
+    criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(d), criterion_module.SoftBeamSearchConfig(
+        sentence_avg=False, soft_beam_size=3))
+    losses = []
+    for wrap in (False, True):
+        model = build("transformer", d, dtype=torch.float32, seed=0)
+        if wrap:
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ddp.device_ids = [0]  # as DDP holds them on a GPU, built as fairseq builds it (device_ids=[device_id])
+            model = ModuleProxyWrapper(ddp)
+        torch.manual_seed(0)
+        try:
+            losses.append(float(criterion(model, batch(d))[0]))
+        except Exception as error:  # (reported, not raised: the parent reads the file)
+            losses.append(f"{type(error).__name__}: {error}")
+    gc.collect()
+    dist.destroy_process_group()
+    with open(result_path, "w") as f:
+        json.dump(losses, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_ddp_built_with_device_ids_as_on_a_gpu_runs_the_search(tmp_path):
+    """On a GPU fairseq builds DDP with device_ids, and DDP's forward then moves its inputs to the device and reads
+    the first: the search's call through it, without inputs, was an IndexError on every multi-GPU run (CPU DDP,
+    which the test above runs, has no device ids). Emulated on CPU by setting what differs."""
+    path = tmp_path / "device_ids.json"
+    mp.spawn(_device_ids_worker, args=(_free_port(), str(path)), nprocs=1, join=True)
+    plain, through_ddp = json.loads(path.read_text())
+    assert through_ddp == pytest.approx(plain, rel=1e-6)

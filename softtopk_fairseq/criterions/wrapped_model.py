@@ -61,9 +61,11 @@ def run_inside_ddp_forward(model, fn):
     if ddp is None:
         return fn(model)
     inner = ddp.module
-    inner.forward = lambda: fn(inner)  # an instance attribute: DDP's self.module(...) calls it
+    inner.forward = lambda **_: fn(inner)  # an instance attribute: DDP's self.module(...) calls it
     try:
-        return ddp()
+        # One argument, unused: DDP built with device_ids (as fairseq builds it on a GPU) moves its inputs to the
+        # device and reads the first of them -- an IndexError for a call with none.
+        return ddp(inside_ddp_forward=True)
     finally:
         del inner.forward
 
