@@ -285,6 +285,22 @@ def test_a_target_the_search_would_misread_is_refused_naming_the_rows_and_the_fi
         search(target, teacher_forcing)
 
 
+@pytest.mark.parametrize("rho, mode, tf_pass", [(0.5, "sum", "separate"), (0.0, "sum", "auto"),
+                                                (0.5, "sum", "search"), (0.3, "sample", "auto")])
+def test_the_criterion_refuses_a_decoder_started_from_another_token_in_every_pass(rho, mode, tf_pass):
+    """The beams start from eos: with a task whose decoder starts from bos, the search's own teacher-forced rows
+    were refused, but the separate pass (auto's choice on CPU) and rho 0 returned a finite L_SOFT of a search
+    started elsewhere than the model was trained to."""
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float32)
+    sample = batch(d)
+    sample["net_input"]["prev_output_tokens"][1, 0] = d.bos()
+    criterion = _criterion(TinyTask(d), rho, teacher_forcing_mode=mode, teacher_forcing_pass=tf_pass)
+    torch.manual_seed(0)  # (sample mode: seed 0 draws L_SOFT at rho 0.3)
+    with pytest.raises(ValueError, match=rf"(prev_output_tokens|teacher_forcing) rows \[1\] .*eos={d.eos()}"):
+        criterion(model, sample)
+
+
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
     with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
                                          r"up to --soft-topk-max-iter steps, Newton stopping earlier at its rounding "
