@@ -301,6 +301,21 @@ def test_the_criterion_refuses_a_decoder_started_from_another_token_in_every_pas
         criterion(model, sample)
 
 
+def test_the_criterion_logs_its_keys_in_one_order_whichever_pass_a_batch_draws():
+    """fairseq's all-reduce of the workers' logs concatenates their values in the order of each worker's keys: in
+    sample mode that order followed the drawn pass, so workers that drew differently would sum one key's value
+    into another's."""
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float32)
+    criterion = _criterion(TinyTask(d), 0.5, teacher_forcing_mode="sample", report_accuracy=True)
+    orders = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        log = criterion(model, batch(d))[2]
+        orders.add(tuple(log))
+    assert len(orders) == 1
+
+
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
     with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
                                          r"up to --soft-topk-max-iter steps, Newton stopping earlier at its rounding "

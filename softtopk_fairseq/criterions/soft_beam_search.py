@@ -371,7 +371,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         # one pass per batch.
         for key in self._log_keys:  # (the losses as tensors on the loss's device: fairseq all-reduces those apart)
             logging_output.setdefault(key, loss.data.new_zeros(()) if key.endswith("_loss") else 0)
-        return loss, sample_size, logging_output
+        # In one order whichever passes ran: fairseq's all-reduce matches the workers' values by position.
+        return loss, sample_size, {key: logging_output[key] for key in sorted(logging_output)}
 
     def get_lprobs_and_target(self, model, net_output, sample):
         """fairseq's, and for the search's teacher-forced rows (:class:`TeacherForcedLogProbs`) their
