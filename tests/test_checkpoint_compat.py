@@ -157,3 +157,21 @@ def test_an_old_flag_that_contradicts_its_new_name_is_refused():
         with pytest.raises(ValueError, match="--soft-topk-epsilon 0.5 contradicts --soft-beam-epsilon 0.3"):
             SoftBeamSearchCriterion(TinyTask(dictionary()), SoftBeamSearchConfig(
                 sentence_avg=False, soft_topk_epsilon=0.5, soft_beam_epsilon=0.3))
+
+
+def test_an_old_flag_that_the_relaxation_does_not_take_is_said_to_be_ignored(monkeypatch):
+    """0.1 took the perturbed top-k's noise from --perturbed-sigma alone: --soft-topk-epsilon given with it is
+    ignored, as it was -- and the warning says so (it said only that the flag was renamed, as if it applied)."""
+    import softtopk_fairseq.criterions.soft_beam_search as criterion_module
+    from tiny_models import TinyTask, dictionary
+
+    monkeypatch.setattr(criterion_module, "_warned_flags", set())
+    cfg = criterion_module.SoftBeamSearchConfig(sentence_avg=False, soft_beam_relaxation="perturbed",
+                                                soft_topk_epsilon=0.5)
+    with pytest.warns(FutureWarning) as caught:
+        criterion = criterion_module.SoftBeamSearchCriterion(TinyTask(dictionary()), cfg)
+    assert criterion.search_options["epsilon"] == 0.1
+    assert [str(w.message) for w in caught] == [
+        "soft_beam_search: --soft-topk-epsilon is the old name of --soft-beam-epsilon; it will be removed (ignored: "
+        "the perturbed relaxation does not take it, as in 0.1)"]
+

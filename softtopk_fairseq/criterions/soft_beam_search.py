@@ -165,15 +165,16 @@ def upgrade_config(cfg: SoftBeamSearchConfig) -> SoftBeamSearchConfig:
     temperature from ``--soft-topk-epsilon``: the one that applies to the relaxation is used. An old flag that
     contradicts its replacement given with another value than its default raises."""
     given = {old: getattr(cfg, old, None) for old in FLAG_ALIASES if getattr(cfg, old, None) is not None}
-    for old in given:
-        if old not in _warned_flags:
-            _warned_flags.add(old)
-            warnings.warn(f"soft_beam_search: {_flag(old)} is the old name of {_flag(FLAG_ALIASES[old])}; it will "
-                          "be removed", FutureWarning, stacklevel=2)
     if "soft_topk_method" in given:
         given["soft_topk_method"] = relaxations.resolve(given["soft_topk_method"], USE, "--soft-topk-method")
     relaxation = str(given.get("soft_topk_method", cfg.soft_beam_relaxation))
     unused = "soft_topk_epsilon" if relaxation == "perturbed" else "perturbed_sigma"
+    for old in given:
+        if old not in _warned_flags:
+            _warned_flags.add(old)
+            ignored = f" (ignored: the {relaxation} relaxation does not take it, as in 0.1)" if old == unused else ""
+            warnings.warn(f"soft_beam_search: {_flag(old)} is the old name of {_flag(FLAG_ALIASES[old])}; it will "
+                          f"be removed{ignored}", FutureWarning, stacklevel=2)
     for old, value in given.items():
         if old == unused:
             continue  # (0.1 ignored it for this relaxation too)
