@@ -316,6 +316,24 @@ def test_the_criterion_logs_its_keys_in_one_order_whichever_pass_a_batch_draws()
     assert len(orders) == 1
 
 
+@pytest.mark.parametrize("relaxation", ["soft_topk", "softmax_k_times", "perturbed"])
+def test_the_solvers_reports_are_logged_for_the_relaxation_that_runs_one(relaxation):
+    """softmax_k_times and the perturbed top-k run no solver: their soft_topk_iters 0 (and error 0) read as a
+    solver that converged at once. They log the search's own metrics only."""
+    from fairseq.logging import metrics as fairseq_metrics
+
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float32)
+    log = _criterion(TinyTask(d), 0.5, soft_beam_relaxation=relaxation)(model, batch(d))[2]
+    with fairseq_metrics.aggregate() as agg:
+        SoftBeamSearchCriterion.reduce_metrics([log])
+    shown = set(agg.get_smoothed_values())
+    solver = {"soft_topk_iters", "soft_topk_err", "soft_topk_capped"}
+    assert (solver <= shown) == (relaxation == "soft_topk") and not (solver & shown and relaxation != "soft_topk")
+    assert {"soft_loss", "pruned_mass"} <= shown
+    assert ("soft_topk_iters" in log) == (relaxation == "soft_topk")
+
+
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
     with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
                                          r"up to --soft-topk-max-iter steps, Newton stopping earlier at its rounding "

@@ -59,8 +59,9 @@ from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
 TEACHER_FORCING_PASSES = ("auto", "search", "separate")
-SOFT_LOG_KEYS = ("soft_loss", "soft_ntokens", "soft_topk_iters", "soft_topk_steps", "soft_topk_err_max",
-                 "soft_batches", "soft_topk_capped", "pruned_mass", "soft_sentence_steps")  # a batch with L_SOFT
+SOFT_LOG_KEYS = ("soft_loss", "soft_ntokens", "soft_topk_steps", "soft_batches", "pruned_mass",
+                 "soft_sentence_steps")  # a batch with L_SOFT
+SOLVER_LOG_KEYS = ("soft_topk_iters", "soft_topk_err_max", "soft_topk_capped")  # and a relaxation that solves
 CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap above its tolerance on some rows "
                   "(counted in the logs as soft_topk_capped); raise --soft-topk-max-iter or --soft-topk-tol")
 
@@ -241,7 +242,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
     base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
     iterations and each batch's largest marginal error, averaged over the batches), ``soft_topk_capped`` (rows per
-    step it left at its iteration cap unconverged; warned about once), ``pruned_mass`` and, with
+    step it left at its iteration cap unconverged; warned about once) -- those three for the relaxation that runs
+    the solver, ``soft_topk`` --, ``pruned_mass`` and, with
     ``--soft-beam-cuda-graphs``, ``cuda_graph_captures`` (batch sizes captured)."""
 
     def __init__(self, task, cfg: SoftBeamSearchConfig):
@@ -271,7 +273,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         self.graphs_unused_warned = False
         self.eos = task.target_dictionary.eos()
         tf_keys = ("tf_loss", "tf_ntokens") + (("n_correct", "total") if cfg.report_accuracy else ())
-        self._log_keys = (tf_keys if self.rho > 0 else ()) + (SOFT_LOG_KEYS if self.rho < 1 else ())
+        # (the solver's reports only for a relaxation with a solver: 0 iterations would read as a converged one)
+        self.solves = relaxations.relaxation_class(self.search_options["relaxation"], USE).solves
+        soft_keys = SOFT_LOG_KEYS + (SOLVER_LOG_KEYS if self.solves else ())
+        self._log_keys = (tf_keys if self.rho > 0 else ()) + (soft_keys if self.rho < 1 else ())
 
     def forward(self, model, sample, reduce=True):
         if not reduce:
@@ -361,10 +366,11 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             if capped:
                 warnings.warn(CAPPED_WARNING, RuntimeWarning)  # one text: Python shows it once
             logging_output.update({
-                "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"],
-                "soft_topk_iters": iters, "soft_topk_steps": steps, "soft_topk_err_max": err_max, "soft_batches": 1,
-                "soft_topk_capped": int(capped), "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
+                "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"], "soft_topk_steps": steps,
+                "soft_batches": 1, "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
             })
+            if self.solves:
+                logging_output.update(soft_topk_iters=iters, soft_topk_err_max=err_max, soft_topk_capped=int(capped))
         logging_output["loss"] = loss.data
         logging_output["nll_loss"] = nll_loss
         # Every key of every pass this configuration can run, 0 where this batch did not run it: fairseq sums the
@@ -402,7 +408,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
                 total = sum(log.get(f"{key}_loss", 0) for log in logging_outputs)
                 metrics.log_scalar(f"{key}_loss", total / ntokens / math.log(2), ntokens, round=3)
         steps = sum(log.get("soft_topk_steps", 0) for log in logging_outputs)
-        if steps:
+        if steps and any("soft_topk_iters" in log for log in logging_outputs):  # (a relaxation with a solver)
             iters = sum(log.get("soft_topk_iters", 0) for log in logging_outputs)
             metrics.log_scalar("soft_topk_iters", iters / steps, steps, round=2)
             # Each batch logs its largest marginal error. Logs are summed across workers and --update-freq (a max
@@ -414,7 +420,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             # Rows the solver left at --soft-topk-max-iter above --soft-topk-tol, per step (mostly 0).
             metrics.log_scalar("soft_topk_capped", sum(log.get("soft_topk_capped", 0) for log in logging_outputs)
                                / steps, steps, round=4)
-            # Per sentence and step: the bound on the rank mass (out of k) lost to pruning.
+        if steps:  # per sentence and step: the bound on the rank mass (out of k) lost to pruning
             cells = sum(log.get("soft_sentence_steps", 0) for log in logging_outputs)
             metrics.log_scalar("pruned_mass", sum(log.get("pruned_mass", 0) for log in logging_outputs)
                                / max(cells, 1), cells, round=6)

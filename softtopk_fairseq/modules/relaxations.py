@@ -87,6 +87,7 @@ class Relaxation:
 
     name = ""
     uses = frozenset()
+    solves = False  # whether it runs the iterative OT solver, whose iterations, error and capped rows are reported
 
     def __init__(self, k: int, epsilon: float = defaults.EPSILON, scaling: str = defaults.OPERATOR_SCALING, *,
                  tol: Optional[float] = None, max_iter: Optional[int] = None,
@@ -220,11 +221,16 @@ def resolve(name: str, use: str, where: str = "relaxation") -> str:
     return name
 
 
+def relaxation_class(name: str, use: str, where: str = "relaxation") -> Type[Relaxation]:
+    """The class registered as ``name`` (or an alias) for ``use``."""
+    return _REGISTRY[resolve(name, use, where)]
+
+
 def make(name: str, use: str, k: int, epsilon: float = defaults.EPSILON, where: str = "relaxation",
          **options) -> Relaxation:
     """The relaxation called ``name`` (or an alias) for ``use``, at ``k`` and ``epsilon``; ``options`` (``scaling``,
     ``tol``, ``max_iter``, ``samples``) go to its constructor."""
-    return _REGISTRY[resolve(name, use, where)](k, epsilon, **options)
+    return relaxation_class(name, use, where)(k, epsilon, **options)
 
 
 # ---------------------------------------------------------------------------------------- the relaxations ----
@@ -238,6 +244,7 @@ class OptimalTransport(Relaxation):
     attention, unsorted."""
 
     name = "soft_topk"
+    solves = True
     uses = frozenset(USES)
     check_errors = False  # the beam search's calls: NaN rows instead of an error, nothing read back
 
