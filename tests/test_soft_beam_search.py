@@ -835,6 +835,25 @@ def test_decoder_without_embed_tokens_is_a_clear_error():
         run(model, batch(d), d, beam=2)
 
 
+def test_a_model_without_an_incremental_decoder_is_a_clear_error():
+    """A fairseq decoder that is not incremental (FairseqDecoder) failed mid-search with an AttributeError on a
+    method of fairseq's; it is named up front with what the search needs."""
+    from fairseq.models import FairseqDecoder, FairseqEncoderDecoderModel
+
+    d = dictionary(8)
+
+    class FullPassDecoder(FairseqDecoder):
+        def __init__(self):
+            super().__init__(d)
+            self.embed_tokens = torch.nn.Embedding(len(d), 8)
+
+    model = FairseqEncoderDecoderModel(build("lstm", d).encoder, FullPassDecoder())
+    with pytest.raises(TypeError, match=r"soft_beam_search: FairseqEncoderDecoderModel lacks "
+                                        r"decoder.reorder_incremental_state_scripting: the search needs a fairseq "
+                                        r"encoder-decoder model .* incremental"):
+        run(model, batch(d), d, beam=2)
+
+
 def test_rows_capped_at_max_iter_are_logged_and_warned_about_once():
     """The search reads nothing back per step, so soft_topk's own max_iter warning is off there; the criterion
     counts the capped rows in its one read per batch (``soft_topk_capped``, per step in fairseq's logs) and warns

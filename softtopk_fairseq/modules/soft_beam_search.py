@@ -462,6 +462,15 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         problems.insert(0, f"bookkeeping must be one of {BOOKKEEPING}, got {bookkeeping!r}")
     if not isinstance(relaxation, Relaxation):  # (a Relaxation's options are its own, checked when it was built)
         problems += relaxations.option_problems(epsilon, scaling, tol, max_iter, samples)
+    # What the search calls: fairseq's encoder-decoder with an incremental decoder (a duck-typed check: this
+    # layer imports no fairseq), named up front rather than as an AttributeError mid-search.
+    missing = [f"{part}.{method}" for part, method in (("encoder", "reorder_encoder_out"),
+                                                       ("decoder", "reorder_incremental_state_scripting"))
+               if not callable(getattr(getattr(model, part, None), method, None))]
+    if missing:
+        raise TypeError(f"soft_beam_search: {type(model).__name__} lacks {', '.join(missing)}: the search needs a "
+                        "fairseq encoder-decoder model (FairseqEncoderDecoderModel) whose decoder is incremental "
+                        "(FairseqIncrementalDecoder)")
     decoder = model.decoder
     embed = getattr(decoder, "embed_tokens", None)
     if embed is None:
