@@ -334,6 +334,28 @@ def test_the_solvers_reports_are_logged_for_the_relaxation_that_runs_one(relaxat
     assert ("soft_topk_iters" in log) == (relaxation == "soft_topk")
 
 
+def test_teacher_forcings_own_nll_is_logged_apart_from_the_mixed_one_in_sample_mode():
+    """In sample mode nll_loss / ppl mix teacher forcing's NLL with the search's (a batch that draws L_SOFT reports
+    the search's), and tf_loss is label-smoothed: tf_nll_loss and tf_ppl are teacher forcing's NLL alone."""
+    from fairseq.logging import metrics as fairseq_metrics
+
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float32)
+    sample = batch(d)
+    criterion = _criterion(TinyTask(d), 0.5, teacher_forcing_mode="sample")
+    logs = {}
+    for seed in range(8):
+        torch.manual_seed(seed)
+        log = criterion(model, sample)[2]
+        logs["tf" if log["tf_ntokens"] else "soft"] = log
+    with fairseq_metrics.aggregate() as agg:
+        SoftBeamSearchCriterion.reduce_metrics([logs["tf"], logs["soft"]])
+    shown = agg.get_smoothed_values()
+    tf_nll = float(logs["tf"]["nll_loss"]) / sample["ntokens"] / math.log(2)
+    assert shown["tf_nll_loss"] == pytest.approx(tf_nll, abs=1e-3) and shown["nll_loss"] != pytest.approx(tf_nll)
+    assert shown["tf_ppl"] == pytest.approx(2 ** tf_nll, rel=1e-2)
+
+
 def test_the_criterion_refuses_the_solver_flags_by_the_operators_rule():
     with pytest.raises(ValueError, match=r"soft_beam_search: --soft-topk-tol must be a finite number >= 0 \(0: "
                                          r"up to --soft-topk-max-iter steps, Newton stopping earlier at its rounding "

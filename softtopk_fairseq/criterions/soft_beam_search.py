@@ -240,11 +240,11 @@ def _check_decoder_starts(prev_output_tokens, eos: int) -> None:
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
     (the beam search's NLL in a batch without teacher forcing) it logs ``tf_loss`` and ``soft_loss`` (per token,
-    base 2, over the batches that computed each), ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean
-    iterations and each batch's largest marginal error, averaged over the batches), ``soft_topk_capped`` (rows per
-    step it left at its iteration cap unconverged; warned about once) -- those three for the relaxation that runs
-    the solver, ``soft_topk`` --, ``pruned_mass`` and, with
-    ``--soft-beam-cuda-graphs``, ``cuda_graph_captures`` (batch sizes captured)."""
+    base 2, over the batches that computed each), ``tf_nll_loss`` and ``tf_ppl`` (teacher forcing's alone),
+    ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean iterations and each batch's largest marginal
+    error, averaged over the batches) and ``soft_topk_capped`` (rows per step it left at its iteration cap
+    unconverged; warned about once) -- those three for ``soft_topk``, the relaxation that runs the solver --,
+    ``pruned_mass`` and, with ``--soft-beam-cuda-graphs``, ``cuda_graph_captures`` (batch sizes captured)."""
 
     def __init__(self, task, cfg: SoftBeamSearchConfig):
         """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a
@@ -272,7 +272,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         self.graphs = GraphCache() if cfg.soft_beam_cuda_graphs else None
         self.graphs_unused_warned = False
         self.eos = task.target_dictionary.eos()
-        tf_keys = ("tf_loss", "tf_ntokens") + (("n_correct", "total") if cfg.report_accuracy else ())
+        tf_keys = ("tf_loss", "tf_nll_loss", "tf_ntokens") + (("n_correct", "total") if cfg.report_accuracy else ())
         # (the solver's reports only for a relaxation with a solver: 0 iterations would read as a converged one)
         self.solves = relaxations.relaxation_class(self.search_options["relaxation"], USE).solves
         soft_keys = SOFT_LOG_KEYS + (SOLVER_LOG_KEYS if self.solves else ())
@@ -352,6 +352,7 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             nll_loss = tf_log.pop("nll_loss")
             logging_output.update(tf_log)
             logging_output["tf_loss"] = tf_loss.data
+            logging_output["tf_nll_loss"] = nll_loss
             logging_output["tf_ntokens"] = sample["ntokens"]
             loss = tf_loss
         if out is not None:
@@ -407,6 +408,11 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             if ntokens:  # per token of the batches that computed it (all of them with --teacher-forcing-mode sum)
                 total = sum(log.get(f"{key}_loss", 0) for log in logging_outputs)
                 metrics.log_scalar(f"{key}_loss", total / ntokens / math.log(2), ntokens, round=3)
+        tf_ntokens = sum(log.get("tf_ntokens", 0) for log in logging_outputs)
+        if tf_ntokens:  # teacher forcing's own NLL and perplexity (nll_loss and ppl mix in the search's in sample mode)
+            tf_nll = sum(log.get("tf_nll_loss", 0) for log in logging_outputs)
+            metrics.log_scalar("tf_nll_loss", tf_nll / tf_ntokens / math.log(2), tf_ntokens, round=3)
+            metrics.log_derived("tf_ppl", lambda meters: utils.get_perplexity(meters["tf_nll_loss"].avg))
         steps = sum(log.get("soft_topk_steps", 0) for log in logging_outputs)
         if steps and any("soft_topk_iters" in log for log in logging_outputs):  # (a relaxation with a solver)
             iters = sum(log.get("soft_topk_iters", 0) for log in logging_outputs)
