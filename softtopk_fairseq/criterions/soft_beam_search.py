@@ -224,18 +224,6 @@ class TeacherForcedLogProbs(NamedTuple):
     lprobs: torch.Tensor
 
 
-def _check_decoder_starts(prev_output_tokens, eos: int) -> None:
-    """The beam search starts every sentence from eos, as fairseq's translation task starts its decoder: a task
-    that starts it from another token (bos, a language tag) would get a finite L_SOFT of another model."""
-    wrong = prev_output_tokens[:, 0].ne(eos)
-    if bool(wrong.any()):
-        rows = wrong.nonzero().flatten().tolist()
-        raise ValueError(f"soft_beam_search: prev_output_tokens rows {rows[:8]} start with "
-                         f"{prev_output_tokens[rows[0], 0].item()}, not eos={eos}, where the beam search starts each "
-                         "sentence (as fairseq's translation task does); a decoder started from another token "
-                         "(bos, a language tag) is not supported")
-
-
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     """``L = rho * L_tf + (1 - rho) * L_SOFT`` (the module docstring). Besides fairseq's ``loss`` and ``nll_loss``
@@ -313,12 +301,11 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             refuse_fully_sharded(model)
         net_input = sample["net_input"]
 
-        def search(m, encoder_out=None, teacher_forcing=None):
-            if teacher_forcing is None:  # (the search checks its teacher_forcing rows itself)
-                _check_decoder_starts(net_input["prev_output_tokens"], self.eos)
+        def search(m, encoder_out=None, teacher_forcing=None):  # (the decoder input checked to start with eos)
             return soft_beam_search(m, net_input["src_tokens"], net_input["src_lengths"], sample["target"],
                                     pad=self.padding_idx, eos=self.eos, encoder_out=encoder_out,
-                                    teacher_forcing=teacher_forcing, graphs=self.graphs, **self.search_options)
+                                    teacher_forcing=teacher_forcing, prev_output_tokens=net_input["prev_output_tokens"],
+                                    graphs=self.graphs, **self.search_options)
 
         if use_tf and use_soft and encoder_then_decoder(model):
             # Both losses from one encoder pass (and one dropout mask on it), inside DDP's forward; L_tf from the

@@ -392,24 +392,25 @@ _TARGET_RULES = (
     "target rows {rows} are empty (all pad={pad}); each row needs at least its eos",
     "target rows {rows} are not right-padded (pad={pad} before a token); fairseq's --left-pad-target must be False",
     "target rows {rows} do not end in eos={eos}: the search scores each sentence up to and including its eos",
-    "teacher_forcing rows {rows} do not start with eos={eos}, where the beams start (as fairseq's "
-    "prev_output_tokens do)",
+    "{starts} rows {rows} do not start with eos={eos}, where the beams start (as fairseq's prev_output_tokens "
+    "do; a decoder started from another token, bos or a language tag, is not supported)",
 )
 
 
-def _target_lengths(target: Tensor, pad: int, eos: int, teacher_forcing: Optional[Tensor]) -> Tensor:
+def _target_lengths(target: Tensor, pad: int, eos: int, starts: Optional[Tensor], starts_name: str = "") -> Tensor:
     """Each sentence's length with its eos, once ``target`` is checked: right-padded with ``pad``, each row
-    ending in ``eos`` (and ``teacher_forcing`` starting with it) -- else a wrong but finite L_SOFT."""
+    ending in ``eos`` (and the decoder input ``starts``, named ``starts_name``, starting with it) -- else a wrong
+    but finite L_SOFT."""
     real = target.ne(pad)
     lengths = real.sum(1)  # incl. eos
     positions = torch.arange(target.shape[1], device=target.device)
     last = target.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
     misplaced = real.ne(positions < lengths.unsqueeze(1)).any(1)  # (its last token is then not at lengths - 1)
     broken = [lengths < 1, misplaced, last.ne(eos) & (lengths >= 1) & ~misplaced,
-              teacher_forcing[:, 0].ne(eos) if teacher_forcing is not None else torch.zeros_like(real[:, 0])]
+              starts[:, 0].ne(eos) if starts is not None else torch.zeros_like(real[:, 0])]
     broken = torch.stack(broken)
     if bool(broken.any()):
-        problems = [rule.format(rows=rows.nonzero().flatten().tolist()[:8], pad=pad, eos=eos)
+        problems = [rule.format(rows=rows.nonzero().flatten().tolist()[:8], pad=pad, eos=eos, starts=starts_name)
                     for rows, rule in zip(broken, _TARGET_RULES) if bool(rows.any())]
         raise ValueError("soft_beam_search: " + "; ".join(problems))
     return lengths
@@ -421,7 +422,8 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
                      tol: Optional[float] = None, max_iter: Optional[int] = None,
                      candidates: int = defaults.CANDIDATES, bookkeeping: str = defaults.BOOKKEEPING,
                      samples: int = defaults.PERTURBED_SAMPLES, encoder_out=None,
-                     teacher_forcing: Optional[Tensor] = None, graphs: Optional[GraphCache] = None) -> SoftBeamOutput:
+                     teacher_forcing: Optional[Tensor] = None, prev_output_tokens: Optional[Tensor] = None,
+                     graphs: Optional[GraphCache] = None) -> SoftBeamOutput:
     """Run the differentiable beam search of ``model`` (a fairseq encoder-decoder with an incremental
     decoder whose ``embed_tokens`` embeds the input tokens) on a batch, for the gold length of ``target``.
 
@@ -449,6 +451,8 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
             for both losses instead of a second decoder pass. fairseq's incremental decoding computes what its
             full pass does, so these are the full pass's log-probabilities (tested; up to rounding and, in
             training, dropout masks).
+        prev_output_tokens: (bsz, T) the decoder's input without ``teacher_forcing`` (which is checked so), or
+            None: checked to start with eos, where the beams start (in the target's checks' one read).
         graphs: a :class:`~softtopk_fairseq.modules.cuda_graphs.GraphCache` (kept by the caller across batches)
             to run each step's work between two decoder calls -- candidates, relaxed top-k, bookkeeping, state
             mixing, soft inputs -- as CUDA graphs, captured once per batch size: a few launches each way instead
@@ -496,10 +500,12 @@ def soft_beam_search(model, src_tokens: Tensor, src_lengths: Tensor, target: Ten
         raise TypeError(f"soft_beam_search: target must hold integer token ids, got {target.dtype}")
     bsz, T = target.shape
     device = target.device
-    if teacher_forcing is not None and teacher_forcing.shape != target.shape:
-        raise ValueError(f"soft_beam_search: teacher_forcing of shape {tuple(teacher_forcing.shape)} must be "
-                         f"shaped like target {tuple(target.shape)} (fairseq's prev_output_tokens)")
-    lengths = _target_lengths(target, pad, eos, teacher_forcing)
+    starts_name = "teacher_forcing" if teacher_forcing is not None else "prev_output_tokens"
+    starts = teacher_forcing if teacher_forcing is not None else prev_output_tokens
+    if starts is not None and starts.shape != target.shape:
+        raise ValueError(f"soft_beam_search: {starts_name} of shape {tuple(starts.shape)} must be shaped like "
+                         f"target {tuple(target.shape)} (fairseq's prev_output_tokens)")
+    lengths = _target_lengths(target, pad, eos, starts, starts_name)
     # Decoder rows per sentence: its k beams, then its teacher-forced row if asked.
     rows = _BeamRows(k) if teacher_forcing is None else _TeacherForcedRows(teacher_forcing, k, embed)
 
