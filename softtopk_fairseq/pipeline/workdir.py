@@ -150,7 +150,7 @@ def claim(workdir: str, run: dict, stages: Sequence[str] = (), first_changed: Op
             done = Stages(workdir).names()
             complete = [name for stage in changed for name in done if name.startswith(stage)]
             if not complete:
-                _write(record, run)
+                _write_json(record, run, indent=1, sort_keys=True)
                 print(f"{workdir}: options of stages not completed yet changed ({', '.join(diff)}): those stages "
                       "start over with them")
                 return Claim(resumed=True, changed=changed)
@@ -161,15 +161,15 @@ def claim(workdir: str, run: dict, stages: Sequence[str] = (), first_changed: Op
         raise SystemExit(f"{workdir} is not empty and holds no run.json of this pipeline; nothing was changed. "
                          "Use another --workdir, or delete that one yourself.")
     os.makedirs(workdir, exist_ok=True)
-    _write(record, run)
+    _write_json(record, run, indent=1, sort_keys=True)
     return Claim(resumed=False)
 
 
-def _write(record: str, run: dict) -> None:
-    tmp = record + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(run, f, indent=1, sort_keys=True)
-    os.replace(tmp, record)
+def _write_json(path: str, data: dict, **dump_options) -> None:
+    """``data`` as JSON in ``path``, atomically (a stopped write leaves the earlier file, or none)."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f, **dump_options)
+    os.replace(path + ".tmp", path)
 
 
 class Stages:
@@ -190,10 +190,7 @@ class Stages:
     def mark(self, name: str, data: Optional[dict] = None) -> None:
         """Record that ``name`` finished, with optional data (e.g. its wall time), atomically."""
         os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, f"{name}.done")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(data or {}, f)
-        os.replace(path + ".tmp", path)
+        _write_json(os.path.join(self.dir, f"{name}.done"), data or {})
 
     def data(self, name: str) -> dict:
         with open(os.path.join(self.dir, f"{name}.done"), encoding="utf-8") as f:
