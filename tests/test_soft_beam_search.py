@@ -838,6 +838,20 @@ def test_criterion_rejects_bad_flags():
         SoftBeamSearchCriterion(task, SoftBeamSearchConfig())
 
 
+def test_rho_zero_warns_that_teacher_forcing_flags_are_ignored():
+    """rho 0 computes no L_tf, so label smoothing and token accuracy -- both teacher forcing's -- do nothing: the
+    criterion says so instead of logging no accuracy and an unsmoothed loss in silence."""
+    task = TinyTask(dictionary(8))
+    with pytest.warns(UserWarning, match=r"--label-smoothing and --report-accuracy apply to teacher forcing's L_tf, "
+                                         r"which --teacher-forcing-ratio 0 leaves out: ignored"):
+        _criterion(task, 0.0, report_accuracy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _criterion(task, 0.5, report_accuracy=True)  # L_tf computed: both apply
+        SoftBeamSearchCriterion(task, SoftBeamSearchConfig(sentence_avg=False, teacher_forcing_ratio=0.0,
+                                                           soft_beam_size=3))  # neither given: nothing to say
+
+
 def test_criterion_defaults_are_the_config_fields():
     """Each default is written once, in SoftBeamSearchConfig: a criterion built from it searches with them."""
     config = SoftBeamSearchConfig(sentence_avg=False)

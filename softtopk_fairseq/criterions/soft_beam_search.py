@@ -217,6 +217,15 @@ def config_problems(cfg: SoftBeamSearchConfig) -> List[str]:
     return problems
 
 
+def rho_zero_unused_flags(cfg: SoftBeamSearchConfig) -> List[str]:
+    """The flags given that only L_tf reads, when ``--teacher-forcing-ratio 0`` computes no L_tf: label smoothing
+    (L_SOFT is the gold tokens' plain NLL) and token accuracy (measured on teacher forcing's predictions)."""
+    if cfg.teacher_forcing_ratio != 0:
+        return []
+    return [flag for flag, given in (("--label-smoothing", cfg.label_smoothing > 0),
+                                     ("--report-accuracy", bool(cfg.report_accuracy))) if given]
+
+
 class TeacherForcedLogProbs(NamedTuple):
     """Teacher forcing's log-probabilities (bsz, T, V), computed by the beam search's teacher-forced rows: what
     the criterion hands fairseq's loss and accuracy code in place of the decoder's output."""
@@ -249,6 +258,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
         if problems:
             raise ValueError("soft_beam_search: " + "; ".join(problems))
         self.rho = cfg.teacher_forcing_ratio
+        unused = rho_zero_unused_flags(cfg)
+        if unused:
+            warnings.warn(f"soft_beam_search: {' and '.join(unused)} apply to teacher forcing's L_tf, which "
+                          "--teacher-forcing-ratio 0 leaves out: ignored", UserWarning, stacklevel=2)
         self.sample_mode = str(cfg.teacher_forcing_mode) == "sample"
         self.teacher_forcing_pass = str(cfg.teacher_forcing_pass)
         self.search_options = dict(
