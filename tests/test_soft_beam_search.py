@@ -11,7 +11,7 @@ from fairseq.modules import LayerDropModuleList
 from fairseq.sequence_generator import SequenceGenerator
 from softtopk_fairseq.criterions.soft_beam_search import SoftBeamSearchConfig, SoftBeamSearchCriterion
 from softtopk_fairseq.modules.relaxations import OptimalTransport, Perturbed, SoftmaxKTimes
-from softtopk_fairseq.modules.soft_beam_search import soft_beam_search
+from softtopk_fairseq.modules.soft_beam_search import duplicate_hypotheses, soft_beam_search
 from softtopk_fairseq.modules.soft_reorder import SoftOrder, SoftTokenInput, mix_beams
 from softtopk_fairseq.ops import soft_topk
 from tiny_models import ARCHS, TinyTask, batch, build, dictionary
@@ -332,6 +332,33 @@ def test_the_solvers_reports_are_logged_for_the_relaxation_that_runs_one(relaxat
     assert (solver <= shown) == (relaxation == "soft_topk") and not (solver & shown and relaxation != "soft_topk")
     assert {"soft_loss", "pruned_mass"} <= shown
     assert ("soft_topk_iters" in log) == (relaxation == "soft_topk")
+
+
+def test_duplicate_hypotheses_counts_the_beams_that_repeat_a_better_one():
+    eos, pad = 2, 1
+    hyps = torch.tensor([[[5, 6, eos], [5, 7, eos], [5, 6, eos]],      # the third repeats the first
+                         [[5, 6, eos], [5, 6, eos], [5, 6, eos]],      # one hypothesis three times
+                         [[5, eos, pad], [5, 6, eos], [6, 5, eos]]])  # three distinct
+    assert duplicate_hypotheses(hyps).tolist() == [1, 2, 0]
+
+
+def test_duplicate_beams_are_logged_per_sentence():
+    """argmax bookkeeping at a high temperature lets every rank follow the same candidate: the beam holds one
+    hypothesis k times, which the logs show as k - 1 duplicates per sentence; topk bookkeeping never repeats one."""
+    from fairseq.logging import metrics as fairseq_metrics
+
+    d = dictionary(12)
+    model = build("lstm", d, dtype=torch.float32)
+    sample = batch(d)
+    shown = {}
+    for bookkeeping in ("argmax", "topk"):
+        log = _criterion(TinyTask(d), 0.5, soft_beam_scaling="none", soft_beam_epsilon=2.0,
+                         soft_beam_bookkeeping=bookkeeping)(model, sample)[2]
+        assert log["soft_nsentences"] == 3
+        with fairseq_metrics.aggregate() as agg:
+            SoftBeamSearchCriterion.reduce_metrics([log, log])
+        shown[bookkeeping] = agg.get_smoothed_values()["duplicate_beams"]
+    assert shown == {"argmax": 2.0, "topk": 0.0}  # beam 3: 2 of 3 final beams repeat the best
 
 
 def test_teacher_forcings_own_nll_is_logged_apart_from_the_mixed_one_in_sample_mode():

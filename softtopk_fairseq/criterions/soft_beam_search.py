@@ -53,14 +53,14 @@ from softtopk_fairseq.criterions.wrapped_model import (encoder_then_decoder, lay
                                                       refuse_fully_sharded, run_inside_ddp_forward)
 from softtopk_fairseq.modules import relaxations
 from softtopk_fairseq.modules.cuda_graphs import GraphCache
-from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, USE, search_option_problems, soft_beam_search,
-                                                       vocabulary_problems)
+from softtopk_fairseq.modules.soft_beam_search import (BOOKKEEPING, USE, duplicate_hypotheses, search_option_problems,
+                                                       soft_beam_search, vocabulary_problems)
 from softtopk_fairseq.ops.soft_topk import SCALINGS
 
 
 TEACHER_FORCING_PASSES = ("auto", "search", "separate")
 SOFT_LOG_KEYS = ("soft_loss", "soft_ntokens", "soft_topk_steps", "soft_batches", "pruned_mass",
-                 "soft_sentence_steps")  # a batch with L_SOFT
+                 "soft_sentence_steps", "duplicate_beams", "soft_nsentences")  # a batch with L_SOFT
 SOLVER_LOG_KEYS = ("soft_topk_iters", "soft_topk_err_max", "soft_topk_capped")  # and a relaxation that solves
 CAPPED_WARNING = ("soft_beam_search: the OT solver stopped at its iteration cap above its tolerance on some rows "
                   "(counted in the logs as soft_topk_capped); raise --soft-topk-max-iter or --soft-topk-tol")
@@ -241,7 +241,8 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
     ``soft_topk_iters`` and ``soft_topk_err`` (the OT solver's mean iterations and each batch's largest marginal
     error, averaged over the batches) and ``soft_topk_capped`` (rows per step it left at its iteration cap
     unconverged; warned about once) -- those three for ``soft_topk``, the relaxation that runs the solver --,
-    ``pruned_mass`` and, with ``--soft-beam-cuda-graphs``, ``cuda_graph_captures`` (batch sizes captured)."""
+    ``pruned_mass``, ``duplicate_beams`` (final beams per sentence that repeat a better-ranked one) and, with
+    ``--soft-beam-cuda-graphs``, ``cuda_graph_captures`` (batch sizes captured)."""
 
     def __init__(self, task, cfg: SoftBeamSearchConfig):
         """Built by fairseq from ``--criterion soft_beam_search`` and its flags; elsewhere pass a
@@ -361,14 +362,16 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             if nll_loss is None:
                 nll_loss = soft_loss.data  # no teacher-forcing pass: report the beam-search NLL
             steps = out.solver_iterations.numel()  # >= 1
-            # The four reports in one read from the device: the search itself reads nothing back per step.
-            iters, err_max, pruned, capped = torch.stack([out.solver_iterations.sum(), out.solver_error.max(),
-                                                          out.pruned_mass.sum(), out.solver_capped.sum()]).tolist()
+            # The five reports in one read from the device: the search itself reads nothing back per step.
+            iters, err_max, pruned, capped, duplicates = torch.stack([
+                out.solver_iterations.sum(), out.solver_error.max(), out.pruned_mass.sum(),
+                out.solver_capped.sum(), duplicate_hypotheses(out.hypotheses).sum()]).tolist()
             if capped:
                 warnings.warn(CAPPED_WARNING, RuntimeWarning)  # one text: Python shows it once
             logging_output.update({
                 "soft_loss": soft_loss.data, "soft_ntokens": sample["ntokens"], "soft_topk_steps": steps,
                 "soft_batches": 1, "pruned_mass": pruned, "soft_sentence_steps": out.nll.numel() * steps,
+                "duplicate_beams": int(duplicates), "soft_nsentences": out.nll.numel(),
             })
             if self.solves:
                 logging_output.update(soft_topk_iters=iters, soft_topk_err_max=err_max, soft_topk_capped=int(capped))
@@ -430,6 +433,10 @@ class SoftBeamSearchCriterion(LabelSmoothedCrossEntropyCriterion):
             cells = sum(log.get("soft_sentence_steps", 0) for log in logging_outputs)
             metrics.log_scalar("pruned_mass", sum(log.get("pruned_mass", 0) for log in logging_outputs)
                                / max(cells, 1), cells, round=6)
+        soft_sentences = sum(log.get("soft_nsentences", 0) for log in logging_outputs)
+        if soft_sentences:  # per sentence: final beams repeating a better one (argmax bookkeeping; 0 to k - 1)
+            metrics.log_scalar("duplicate_beams", sum(log.get("duplicate_beams", 0) for log in logging_outputs)
+                               / soft_sentences, soft_sentences, round=3)
         if any("cuda_graph_captures" in log for log in logging_outputs):
             # Batch sizes --soft-beam-cuda-graphs captured in the interval (a size seen before is replayed).
             metrics.log_scalar_sum("cuda_graph_captures", sum(log.get("cuda_graph_captures", 0)

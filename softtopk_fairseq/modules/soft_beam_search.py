@@ -200,6 +200,15 @@ def _backtrack(final_lp, gold_lp, parents, tokens, lengths: Tensor, pad: int,
     return nll, hyps, ranked_scores
 
 
+def duplicate_hypotheses(hypotheses: Tensor) -> Tensor:
+    """Per sentence, the final beams that repeat a better-ranked one token for token (``hypotheses``: (bsz, k,
+    T), :attr:`SoftBeamOutput.hypotheses`): 0 to k - 1. ``argmax`` bookkeeping lets two ranks follow the same
+    candidate when smooth columns of ``A`` share their largest entry, and the beam then holds fewer distinct
+    hypotheses than k; ``topk`` bookkeeping never does (always 0)."""
+    same = (hypotheses.unsqueeze(1) == hypotheses.unsqueeze(2)).all(-1)  # (bsz, k, k): beam i equals beam j
+    return same.tril(-1).any(-1).sum(-1)
+
+
 class _Step(NamedTuple):
     """What one step decided (:func:`_search_step`): every field a tensor, a tuple of tensors or None -- what a
     CUDA graph can return (:class:`~softtopk_fairseq.modules.cuda_graphs.GraphCache`)."""
