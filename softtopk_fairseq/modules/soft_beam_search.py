@@ -205,8 +205,9 @@ def duplicate_hypotheses(hypotheses: Tensor) -> Tensor:
     T), :attr:`SoftBeamOutput.hypotheses`): 0 to k - 1. ``argmax`` bookkeeping lets two ranks follow the same
     candidate when smooth columns of ``A`` share their largest entry, and the beam then holds fewer distinct
     hypotheses than k; ``topk`` bookkeeping never does (always 0)."""
-    same = (hypotheses.unsqueeze(1) == hypotheses.unsqueeze(2)).all(-1)  # (bsz, k, k): beam i equals beam j
-    return same.tril(-1).any(-1).sum(-1)
+    same = (hypotheses.unsqueeze(2) == hypotheses.unsqueeze(1)).all(-1)  # (bsz, k, k): beam i equals beam j
+    rank = torch.arange(hypotheses.shape[1], device=hypotheses.device)
+    return (same & (rank.unsqueeze(1) > rank)).any(-1).sum(-1)  # (j ranked before i)
 
 
 class _Step(NamedTuple):
