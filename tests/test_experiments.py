@@ -1282,6 +1282,31 @@ def test_a_fine_tunings_start_is_the_pre_training_recorded_last_before_it(monkey
     assert report.arm_keys(pair, "finetune", "tf") == {1: "finetune.tf.seed1", 2: "finetune.tf.seed2"}
 
 
+def test_the_selection_note_counts_validations_and_compares_arms_within_the_controls_fewest(monkeypatch):
+    """An arm that validates more chooses its checkpoint among more noisy scores: the page says how many each arm's
+    runs made and each arm's mean best val BLEU within the fewest a control run made, and over all of them."""
+    monkeypatch.syspath_prepend(os.path.dirname(CONVERGED))
+    report = load("multi30k_converged_report", os.path.join(os.path.dirname(CONVERGED), "report.py"))
+
+    def row(method, seed, curve):
+        return {"stage": "tune", "method": method, "seed": seed, "lr": 0.0005, "epochs": len(curve),
+                "val_curve": [{"epoch": e, "updates": 10 * e, "bleu": b} for e, b in enumerate(curve, 1)]}
+
+    rows = {"tune.tf.lr0.0005.seed1": row("tf", 1, [50, 52, 51]),
+            "tune.tf.lr0.0005.seed2": row("tf", 2, [50, 51, 51, 50]),
+            # the soft arm's later validations are higher: within 3 its best is 51 and 52, over all 54 and 53
+            "tune.soft_beam_paper.lr0.0005.seed1": row("soft_beam_paper", 1, [49, 51, 50, 54, 50]),
+            "tune.soft_beam_paper.lr0.0005.seed2": row("soft_beam_paper", 2, [52, 50, 50, 50, 53, 50])}
+    pair = report.Pair("en-fr", "", "", rows, "", {})
+    note = report.selection_note([pair], "tune", ["tf", "soft_beam_paper"])
+    assert "validations per run continued teacher forcing 3-4 (mean 3.5), soft beam search (paper's setting) 5-6 " \
+           "(mean 5.5)" in note
+    assert "within each run's first 3 (the fewest a run of continued teacher forcing made), mean over seeds: " \
+           "continued teacher forcing 51.50, soft beam search (paper's setting) 51.50; over all of them: 51.50, " \
+           "53.50" in note
+    assert report.selection_note([report.Pair("en-fr", "", "", {}, "", {})], "tune", ["tf"]) == ""
+
+
 def test_the_stopping_check_finds_runs_that_trained_past_their_early_stopping_rule(monkeypatch):
     """A restart that lost early stopping's count trains on: the page names every run whose last epoch is not
     where its rule (patience after the last strict gain of its own val curve) stops, and says whether its scored
