@@ -140,8 +140,9 @@ def mask_along_last(mask: Tensor, shape: torch.Size, dim: int) -> Tensor:
 
 
 def nan_scores(op: str) -> str:
-    """The error message for NaN scores."""
-    return f"{op}: scores contain NaN"
+    """The error message for NaN scores: no mask admits one, so the fix is upstream (or the caller's own NaN rows)."""
+    return (f"{op}: scores contain NaN (refused even where masked: a NaN means the scores' source broke, e.g. a "
+            f"float16 overflow; ops.bad_score_rows(scores) finds the rows, to leave out or NaN)")
 
 
 def selected_infinity(op: str) -> str:
