@@ -97,9 +97,9 @@ class SoftBeamSearchConfig(LabelSmoothedCrossEntropyCriterionConfig):
                           "Gaussian noise, Berthet et al. 2020)"})
     soft_beam_epsilon: float = field(
         default=defaults.EPSILON,
-        metadata={"help": "the relaxation's smoothing scale -- its temperature, the noise's standard deviation for "
-                          "'perturbed' --: the paper's normalised epsilon with --soft-beam-scaling paper, in nats "
-                          "with 'none'"})
+        metadata={"help": "the relaxation's smoothing scale (a temperature; for 'perturbed', the noise's standard "
+                          "deviation): the paper's normalised epsilon with --soft-beam-scaling paper, in nats with "
+                          "'none'"})
     soft_beam_scaling: ChoiceEnum(SCALINGS) = field(
         default=defaults.SEARCH_SCALING,
         metadata={"help": "'paper' (the paper's setting) divides the OT cost by its per-sentence maximum like the "
