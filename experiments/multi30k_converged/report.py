@@ -374,7 +374,8 @@ def selection_note(pairs: List[Pair], stage: str, arms) -> str:
         if not curves:
             continue
         counts = {arm: [len(curve) for curve in runs] for arm, runs in curves.items()}
-        budget = min(next(iter(counts.values())))
+        first = next(iter(curves))  # (the control: its fewest validations set the common budget)
+        budget = min(counts[first])
 
         def mean_best(runs, n=None):
             return statistics.mean(max(point["bleu"] for point in curve[:n]) for curve in runs)
@@ -384,7 +385,7 @@ def selection_note(pairs: List[Pair], stage: str, arms) -> str:
         within = ", ".join(f"{ARM_NAMES.get(arm, arm)} {mean_best(runs, budget):.2f}" for arm, runs in curves.items())
         overall = ", ".join(f"{mean_best(runs):.2f}" for runs in curves.values())
         parts.append(f"{pair.name}: validations per run {among}; best val BLEU within each run's first {budget} "
-                     f"(the fewest a run of {ARM_NAMES.get(next(iter(curves)), next(iter(curves)))} made), mean "
+                     f"(the fewest a run of {ARM_NAMES.get(first, first)} made), mean "
                      f"over seeds: {within}; over all of them: {overall}")
     if not parts:
         return ""
